@@ -1,0 +1,138 @@
+"""The adapter interface: the only place where a framework appears.
+
+The cut follows where frameworks really differ (see ../shared/docs/STYLE.md): an adapter builds
+model and optimizer together, runs one whole training step (forward, backward, optimizer step)
+because DeepSpeed and pipeline schedules fuse them, evaluates one batch, says which rank reports
+the loss and which shard of each global batch its rank consumes, and counts the model state its
+rank holds. The training loop (repro.loop) never branches on the framework.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from repro.metrics import model_state
+from repro.recipe import FrameworkOptions, Recipe
+from repro.workloads import Workload
+
+
+@dataclass
+class RunContext:
+    """What a rank knows about its run."""
+
+    recipe: Recipe
+    workload: Workload
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    seeds: dict[str, int] = field(default_factory=dict)
+
+
+class Adapter:
+    """Base class. Subclasses implement `setup` and `train_step`; the rest has data-parallel defaults."""
+
+    Options: type = FrameworkOptions
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.options = ctx.recipe.options()
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # -- class-level facts, used before any process starts ------------------------------------
+    @classmethod
+    def check(cls, recipe: Recipe, source: str) -> None:
+        """Raise RecipeError (naming the field) when the recipe cannot run under this framework."""
+
+    @classmethod
+    def processes(cls, recipe: Recipe) -> int:
+        """Processes the launcher starts for the whole job (one per GPU unless the framework drives several)."""
+        return recipe.run.gpus
+
+    @classmethod
+    def global_batch(cls, recipe: Recipe) -> int:
+        """Samples per optimizer step over the whole job (the paper's rule: batch per GPU x GPUs)."""
+        return recipe.train.batch_per_gpu * recipe.run.gpus
+
+    # -- per-rank behaviour --------------------------------------------------------------------
+    def setup(self, model: nn.Sequential) -> None:
+        raise NotImplementedError
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """One optimizer step on this rank's shard; returns the global mean loss on the reporting rank."""
+        raise NotImplementedError
+
+    def data_shard(self) -> tuple[int, int]:
+        """(index, count): this rank consumes shard `index` of `count` equal shards of each global batch."""
+        return self.ctx.rank, self.ctx.world
+
+    @property
+    def reporting_rank(self) -> int:
+        """The rank whose train_step/eval_step results are the run's (the last pipeline stage, say)."""
+        return 0
+
+    @property
+    def data_group(self) -> Any:
+        """The process group over which data shards are spread (None: the whole world)."""
+        return None
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Evaluation forward pass; None on ranks that produce no output."""
+        return self.model(inputs)
+
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """This rank's metric sums of one validation batch (None where the rank produces no output)."""
+        with torch.no_grad(), self.autocast():
+            output = self.forward(inputs.to(self.ctx.device))
+        if output is None:
+            return None
+        return self.ctx.workload.metric_sums(output, targets.to(self.ctx.device))
+
+    def reduce_metric_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        """Validation sums of every shard, valid on the reporting rank (ranks without output add zeros)."""
+        return self.all_reduce(sums, self.data_group)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state that this rank holds."""
+        return model_state(self.model, self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def teardown(self) -> None:
+        """Release framework resources (the loop destroys the process group afterwards)."""
+
+    # -- helpers shared by adapters -------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision as the recipe asks (fp32: no autocast)."""
+        precision = self.ctx.recipe.train.precision
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        return torch.autocast(self.ctx.device.type, dtype=dtype)
+
+    def clip_gradients(self, parameters: Any) -> None:
+        if self.ctx.recipe.train.grad_clip:
+            nn.utils.clip_grad_norm_(parameters, self.ctx.recipe.train.grad_clip)
+
+    @staticmethod
+    def all_reduce(tensor: torch.Tensor, group: Any = None, average: bool = False) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, group=group)
+            if average:
+                tensor /= dist.get_world_size(group)
+        return tensor
+
+    def mean_loss(self, loss: torch.Tensor) -> float:
+        """The global mean of per-shard mean losses (equal shards), as a float."""
+        return float(self.all_reduce(loss.detach().float().clone(), self.data_group, average=True))

@@ -1,0 +1,40 @@
+"""PyTorch DistributedDataParallel: each rank holds the whole model and averages gradients."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from repro.adapters.base import Adapter
+from repro.optim import make_optimizer
+
+
+class DDPAdapter(Adapter):
+    def setup(self, model: nn.Sequential) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = self.ctx.device
+        model = model.to(device)
+        ids = [device.index] if device.type == "cuda" else None
+        self.model = DistributedDataParallel(model, device_ids=ids)
+        self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())
+        fp16 = self.ctx.recipe.train.precision == "fp16"
+        self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.autocast():
+            loss = self.ctx.workload.loss(self.model(inputs), targets)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        self.clip_gradients(self.model.parameters())
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return self.mean_loss(loss)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,154 @@
+"""Datasets with checksums: where each lives, how it is prepared, and how it is verified.
+
+A dataset is a folder whose files are listed, with their SHA-256, in a manifest. Manifests of
+data we can make or know in advance ship with the kit (`manifests/NAME.sha256`); data a user
+brings (ImageNet) or fetches at a pinned revision (WikiText-103) gets its manifest written at
+`prepare` time, beside the data. A run refuses to start unless its dataset verifies.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+MANIFESTS = Path(__file__).parent / "manifests"
+LOCAL_MANIFEST = "MANIFEST.sha256"
+
+
+class DataError(RuntimeError):
+    """A dataset that is missing or does not match its manifest; the message names the file."""
+
+
+def data_root() -> Path:
+    return Path(os.environ.get("REPRO_DATA", "data"))
+
+
+def staged_roots() -> list[Path]:
+    """Read-only places where datasets may already be staged (never copied into the project)."""
+    env = os.environ.get("REPRO_STAGED_DATA")
+    if env:
+        return [Path(p) for p in env.split(os.pathsep) if p]
+    return [Path(__file__).resolve().parents[3] / "shared" / "data"]
+
+
+def cache_path() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "repro" / "verify-cache.json"
+
+
+def read_manifest(path: Path) -> dict[str, str]:
+    """`sha256sum` format: '<hex>  <relative path>' per line -> {path: hex}."""
+    entries = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            digest, _, name = line.partition("  ")
+            entries[name.strip()] = digest.strip()
+    return entries
+
+
+def write_manifest(path: Path, entries: dict[str, str]) -> None:
+    path.write_text("".join(f"{entries[name]}  {name}\n" for name in sorted(entries)))
+
+
+def manifest_digest(entries: dict[str, str]) -> str:
+    """One SHA-256 for the whole dataset: of its sorted manifest."""
+    text = "".join(f"{entries[name]}  {name}\n" for name in sorted(entries))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class HashCache:
+    """File hashes keyed on (path, size, mtime): a second verify of an unchanged tree only stats."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.entries: dict[str, list] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+        self.dirty = False
+
+    def lookup(self, file: Path, stat: os.stat_result) -> str | None:
+        hit = self.entries.get(str(file))
+        return hit[2] if hit and hit[0] == stat.st_size and hit[1] == stat.st_mtime_ns else None
+
+    def store(self, file: Path, stat: os.stat_result, digest: str) -> None:
+        self.entries[str(file)] = [stat.st_size, stat.st_mtime_ns, digest]
+        self.dirty = True
+
+    def save(self) -> None:
+        if self.dirty:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.entries))
+            os.replace(tmp, self.path)
+
+
+def verify_tree(root: Path, entries: dict[str, str], deep: bool = False, cache: HashCache | None = None) -> None:
+    """Check every manifest entry under `root`; raise DataError naming the first bad file."""
+    cache = cache or HashCache(cache_path())
+    files = [root / name for name in sorted(entries)]
+    stats = {}
+    for file in files:
+        try:
+            stats[file] = file.stat()
+        except FileNotFoundError:
+            raise DataError(f"{file}: missing (listed in the manifest of {root})") from None
+    todo = files if deep else [f for f in files if cache.lookup(f, stats[f]) is None]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for file, digest in zip(todo, pool.map(sha256_file, todo)):
+            cache.store(file, stats[file], digest)
+    cache.save()
+    for file, name in zip(files, sorted(entries)):
+        got = cache.lookup(file, stats[file])
+        if got != entries[name]:
+            raise DataError(f"{file}: checksum mismatch (expected {entries[name][:16]}..., got {got[:16]}...)")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    description: str
+    prepare_hint: str
+    make: Callable[[Path], None] | None = None  # writes the data into a folder
+
+    def shipped_manifest(self) -> Path | None:
+        path = MANIFESTS / f"{self.name}.sha256"
+        return path if path.exists() else None
+
+    def locate(self) -> Path:
+        """The folder holding this dataset: the data root first, then staged copies."""
+        for base in [data_root(), *staged_roots()]:
+            if (base / self.name).is_dir():
+                return base / self.name
+        raise DataError(
+            f"dataset {self.name!r} not found in {data_root() / self.name} or the staged copies "
+            f"({', '.join(map(str, staged_roots()))}); prepare it with: {self.prepare_hint}"
+        )
+
+    def manifest(self, root: Path) -> dict[str, str]:
+        path = self.shipped_manifest() or root / LOCAL_MANIFEST
+        if not path.exists():
+            raise DataError(f"{root}: no manifest ({path}); prepare it with: {self.prepare_hint}")
+        return read_manifest(path)
+
+    def verify(self, deep: bool = False) -> tuple[Path, str]:
+        """(folder, dataset SHA-256) once every file matches; DataError naming the file otherwise."""
+        root = self.locate()
+        entries = self.manifest(root)
+        verify_tree(root, entries, deep=deep)
+        return root, manifest_digest(entries)
+
+
+def hash_tree(root: Path, names: Iterable[str]) -> dict[str, str]:
+    names = sorted(names)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(names, pool.map(lambda n: sha256_file(root / n), names)))

@@ -1,0 +1,83 @@
+"""The environment report: versions, devices and data, for `repro doctor` and every run's record."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from repro import registry
+
+DISTRIBUTIONS = ["torch", "torchvision", "deepspeed", "megatron-core", "torchgpipe", "mlflow", "datasets", "timm"]
+
+
+def version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_sha() -> str:
+    """The kit's source commit: from its checkout, else $REPRO_GIT_SHA (set in the image), else 'unknown'."""
+    source = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return os.environ.get("REPRO_GIT_SHA", "unknown")
+
+
+def image() -> str:
+    """The container image this runs in (set by the image itself), or '' outside one."""
+    return os.environ.get("REPRO_IMAGE", "")
+
+
+def devices() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"cuda_available": torch.cuda.is_available(), "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    else:
+        info["gpus"] = []
+        info["cpu_cores"] = os.cpu_count()
+    return info
+
+
+def data_status() -> dict[str, str]:
+    from repro.data import DataError
+    from repro.data.sets import DATASETS
+
+    status = {}
+    for name, spec in DATASETS.items():
+        try:
+            status[name] = f"present at {spec.locate()}"
+        except DataError:
+            status[name] = f"missing (repro data prepare {name})"
+    return status
+
+
+def report() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "hostname": platform.node(),
+        "git_sha": git_sha(),
+        "image": image(),
+        "versions": {d: version(d) for d in DISTRIBUTIONS},
+        "frameworks": {name: entry.missing() or "available" for name, entry in registry.FRAMEWORKS.items()},
+        "devices": devices(),
+        "data": data_status(),
+    }
+
+
+def packages() -> list[str]:
+    """`name==version` of every installed distribution, sorted (the run's package list)."""
+    return sorted({f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()})

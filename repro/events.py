@@ -1,0 +1,69 @@
+"""Structured run events: one JSON object per line, written by the reporting rank.
+
+This file is the single source of truth for a run: the tracker, the progress display, the
+tables and the checks all read these events, never console text. Keys are defined once here.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+EVENTS_FILE = "events.jsonl"
+
+# event kinds
+START = "start"
+STEP = "step"
+EPOCH = "epoch"
+MEMORY = "memory"
+END = "end"
+
+# metric keys, as they appear in MLflow
+TRAIN_LOSS = "train/loss"
+VAL_ACCURACY = "val/accuracy"
+VAL_PERPLEXITY = "val/perplexity"
+VAL_LOSS = "val/loss"
+EPOCH_TIME = "time/epoch_s"
+ELAPSED = "time/elapsed_s"
+THROUGHPUT = "throughput/samples_per_s"
+PEAK_MEMORY = "memory/peak_bytes"
+MODEL_STATE = "memory/model_state_bytes"
+
+
+class EventWriter:
+    """Appends events to a file, flushing each line so a crash loses nothing written."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "a", buffering=1)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self._file.write(json.dumps({"event": kind, "wall": time.time(), **fields}, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class EventReader:
+    """Reads the events appended since the last call (a complete line at a time)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset = 0
+
+    def new(self) -> Iterator[dict[str, Any]]:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self._offset)
+            while True:
+                line = f.readline()
+                if not line.endswith("\n"):
+                    break
+                self._offset = f.tell()
+                yield json.loads(line)
+
+
+def read_all(path: Path) -> list[dict[str, Any]]:
+    return list(EventReader(path).new())

@@ -1,0 +1,67 @@
+"""Measurement: timers synchronised with the device, peak memory, and bytes of model state."""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Iterable
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Wall time between two device-synchronised points."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = 0.0
+
+    def __enter__(self) -> "Timer":
+        synchronize(self.device)
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self.start
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """(peak bytes, method): CUDA allocator peak on GPU, peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024), "cpu_peak_rss"
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of distinct storages among `tensors` (shared and tied tensors count once)."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is None or not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            continue
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def model_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes a rank holds of parameters, gradients and optimizer state, counted from its tensors."""
+    params = list(module.parameters())
+    return {
+        "parameters": tensor_bytes(params),
+        "gradients": tensor_bytes(p.grad for p in params),
+        "optimizer": tensor_bytes(optimizer_tensors(optimizer)) if optimizer else 0,
+    }

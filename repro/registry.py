@@ -1,0 +1,96 @@
+"""Names users type, mapped to the code behind them, without importing any of it.
+
+`repro --help` and `repro list` read this module only: availability is checked with
+`importlib.util.find_spec`, so a missing framework costs nothing until it is asked for.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import shutil
+from dataclasses import dataclass
+
+IMAGE_HINT = "use the kit's container image (see README, 'Containers')"
+
+
+@dataclass(frozen=True)
+class FrameworkEntry:
+    name: str
+    adapter: str  # "module:Class"
+    parallelism: str
+    needs_modules: tuple[str, ...] = ()
+    needs_programs: tuple[str, ...] = ()
+    install_hint: str = ""
+
+    def missing(self) -> list[str]:
+        """What this framework needs that is not installed here (empty when available)."""
+        gone = [m for m in self.needs_modules if importlib.util.find_spec(m) is None]
+        gone += [p for p in self.needs_programs if shutil.which(p) is None]
+        return gone
+
+
+FRAMEWORKS: dict[str, FrameworkEntry] = {
+    entry.name: entry
+    for entry in (
+        FrameworkEntry("ddp", "repro.adapters.ddp:DDPAdapter", "data"),
+        FrameworkEntry(
+            "zero", "repro.adapters.zero:ZeroAdapter", "data (sharded)", ("deepspeed",),
+            install_hint="pip install -r requirements.txt (deepspeed)",
+        ),
+        FrameworkEntry(
+            "megatron", "repro.adapters.megatron:MegatronAdapter", "intra-layer (tensor) + data",
+            ("megatron.core",), install_hint="pip install -r requirements.txt (megatron-core)",
+        ),
+        FrameworkEntry(
+            "torchgpipe", "repro.adapters.torchgpipe:GPipeAdapter", "inter-layer (pipeline, flush)",
+            ("torchgpipe",), install_hint="pip install -r requirements.txt (torchgpipe)",
+        ),
+        FrameworkEntry("pipedream", "repro.adapters.pipedream:PipeDreamAdapter", "inter-layer (pipeline, async)"),
+        FrameworkEntry(
+            "lbann", "repro.adapters.lbann:LBANNAdapter", "data", ("lbann",), ("lbann",),
+            install_hint=f"{IMAGE_HINT}, or build it with Spack: spack install lbann@0.104 +cuda +vision +pfe",
+        ),
+    )
+}
+
+WORKLOADS: dict[str, str] = {
+    "vgg16": "repro.workloads.vgg16:VGG16Workload",
+    "gpt2": "repro.workloads.gpt2:GPT2Workload",
+}
+
+
+class UnknownName(LookupError):
+    pass
+
+
+class Unavailable(RuntimeError):
+    pass
+
+
+def framework(name: str) -> FrameworkEntry:
+    if name not in FRAMEWORKS:
+        raise UnknownName(f"unknown framework {name!r}; valid frameworks: {', '.join(FRAMEWORKS)}")
+    return FRAMEWORKS[name]
+
+
+def load(dotted: str) -> type:
+    """Import "module:Class". A module that exists but fails to import re-raises its own error."""
+    module, _, attr = dotted.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def adapter_class(name: str) -> type:
+    """The adapter class for `name`, or a one-line reason why it cannot be used here."""
+    entry = framework(name)
+    missing = entry.missing()
+    if missing:
+        raise Unavailable(
+            f"framework {name!r} is not available here: missing {', '.join(missing)}; {entry.install_hint}"
+        )
+    return load(entry.adapter)
+
+
+def workload_class(name: str) -> type:
+    if name not in WORKLOADS:
+        raise UnknownName(f"unknown model {name!r}; valid models: {', '.join(WORKLOADS)}")
+    return load(WORKLOADS[name])

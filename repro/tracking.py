@@ -1,0 +1,96 @@
+"""MLflow: the only module that imports it. One rank's events become one MLflow run."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from repro import events
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+DEFAULT_EXPERIMENT = "repro"
+TAG_PREFIX = "repro."
+
+
+def tracking_uri(explicit: str | None = None) -> str:
+    """--tracking-uri, else $MLFLOW_TRACKING_URI, else an embedded sqlite file in the working directory."""
+    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+def client(uri: str) -> Any:
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(mlflow_client: Any, name: str) -> str:
+    found = mlflow_client.get_experiment_by_name(name)
+    return found.experiment_id if found else mlflow_client.create_experiment(name)
+
+
+def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
+    """(key, value, step) triples that one event contributes to MLflow."""
+    kind = event["event"]
+    if kind == events.STEP and event.get("loss") is not None:
+        return [(events.TRAIN_LOSS, event["loss"], event["step"])]
+    if kind != events.EPOCH:
+        return []
+    step = event["epoch"] + 1
+    out = [(key, value, step) for key, value in event["val"].items()]
+    out += [
+        (events.EPOCH_TIME, event["epoch_s"], step),
+        (events.ELAPSED, event["elapsed_s"], step),
+        (events.THROUGHPUT, event["samples_per_s"], step),
+    ]
+    ranks = event["ranks"]
+    state = {r["rank"]: r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks}
+    out += [(events.PEAK_MEMORY, max(r["peak_bytes"] for r in ranks), step)]
+    out += [(events.MODEL_STATE, max(state.values()), step)]
+    for r in ranks:
+        out += [(f"memory/rank{r['rank']}/peak_bytes", r["peak_bytes"], step)]
+        out += [(f"memory/rank{r['rank']}/model_state_bytes", state[r["rank"]], step)]
+    return out
+
+
+class Run:
+    """An MLflow run fed from the events file of one training job."""
+
+    def __init__(self, uri: str, experiment: str, name: str, tags: dict[str, str], params: dict[str, str]):
+        from mlflow.entities import Param, RunTag
+
+        self.client = client(uri)
+        self.run_id = self.client.create_run(experiment_id(self.client, experiment), run_name=name).info.run_id
+        self.client.log_batch(
+            self.run_id,
+            tags=[RunTag(k, str(v)) for k, v in tags.items()],
+            params=[Param(k, v[:6000]) for k, v in params.items()],
+        )
+
+    def log_events(self, new_events: list[dict[str, Any]]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        metrics = [Metric(k, float(v), int(e["wall"] * 1000), s) for e in new_events for k, v, s in event_metrics(e)]
+        tags = [RunTag("repro.memory_method", r["method"]) for e in new_events if e["event"] == events.EPOCH for r in e["ranks"][:1]]
+        for start in range(0, len(metrics), 900):
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + 900])
+        if tags:
+            self.client.log_batch(self.run_id, tags=tags)
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
+    def log_artifact(self, path: Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def log_dict(self, data: Any, name: str) -> None:
+        self.client.log_text(self.run_id, json.dumps(data, indent=2, sort_keys=True, default=str), name)
+
+    def end(self, status: str, error: str | None = None) -> None:
+        if error:
+            self.client.set_tag(self.run_id, "repro.error", error[-4900:])
+        self.client.set_terminated(self.run_id, status)
