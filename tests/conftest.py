@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,11 +21,15 @@ class Result:
     stderr: str
     cwd: Path
 
-    def run_dirs(self) -> list[Path]:
-        return sorted((self.cwd / "runs").glob("*"), key=lambda p: p.stat().st_mtime)
+    @property
+    def run_dir(self) -> Path:
+        """The run folder that this command reported (`files in ...` or `output kept in ...`)."""
+        found = re.search(r"(?:files in|output kept in) (\S+)", self.stderr)
+        assert found, f"no run folder reported:\n{self.stderr[-2000:]}"
+        return Path(found.group(1))
 
     def events(self) -> list[dict]:
-        return [json.loads(line) for line in (self.run_dirs()[-1] / "events.jsonl").read_text().splitlines()]
+        return [json.loads(line) for line in (self.run_dir / "events.jsonl").read_text().splitlines()]
 
     def losses(self) -> list[float]:
         return [e["loss"] for e in self.events() if e["event"] == "step"]
@@ -53,3 +58,17 @@ class Repro:
 @pytest.fixture
 def repro(tmp_path: Path) -> Repro:
     return Repro(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_repro(tmp_path_factory: pytest.TempPathFactory) -> Repro:
+    """One scratch folder and MLflow store for all tests of a module (to share expensive runs)."""
+    return Repro(tmp_path_factory.mktemp("repro"))
+
+
+def mlflow_runs(uri: str, experiment: str = "repro") -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []
