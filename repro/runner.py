@@ -122,6 +122,7 @@ def command_for(recipe: Recipe, run_dir: Path) -> list[str]:
 
 def execute(
     recipe: Recipe, uri: str, experiment: str, dry_run: bool = False, echo: Callable[[str], None] = print,
+    progress: bool = True,
 ) -> Outcome:
     registry.adapter_class(recipe.run.framework)  # unavailable frameworks fail before anything starts
     data_dir, data_sha = verify_data(recipe)
@@ -139,14 +140,15 @@ def execute(
     run.log_dict(doctor.report(), "environment.json")
     run.log_dict(doctor.packages(), "packages.json")
     run.log_dict(command, "command.json")
-    returncode = follow(command, run_dir, run, echo)
+    returncode = follow(command, run_dir, run, echo, Progress(sys.stderr) if progress else None)
     return Outcome(returncode, run.run_id, run_dir)
 
 
-def follow(command: list[str], run_dir: Path, run: tracking.Run, echo: Callable[[str], None]) -> int:
+def follow(
+    command: list[str], run_dir: Path, run: tracking.Run, echo: Callable[[str], None], progress: Progress | None,
+) -> int:
     """Run the job, feeding its events to MLflow as they come; end the run with the job's status."""
     reader = events.EventReader(run_dir / events.EVENTS_FILE)
-    progress = Progress(sys.stderr)
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     pump = OutputPump(job.stdout, run_dir / OUTPUT_FILE, echo)
     pump.start()
@@ -155,7 +157,7 @@ def follow(command: list[str], run_dir: Path, run: tracking.Run, echo: Callable[
         while True:
             finished = job.poll() is not None
             batch = list(reader.new())
-            for event in batch:
+            for event in batch if progress else ():
                 progress.show(event)
             if batch:
                 run.log_events(batch)
