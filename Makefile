@@ -4,7 +4,7 @@ VENV_PYTHON ?= python3
 SCALE ?= smoke
 PYTEST_ARGS ?=
 
-.PHONY: help setup install test test-fast reproduce-table2 mlflow-ui data clean
+.PHONY: help setup install test test-fast reproduce-table2 mlflow-ui data clean bench
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -36,3 +36,6 @@ mlflow-ui:  ## browse every run (embedded sqlite store) on http://127.0.0.1:5000
 
 clean:  ## remove runs, reports and the local MLflow store
 	rm -rf runs reports mlflow.db mlruns
+
+bench: data  ## measure the kit's own costs (harness overhead, verify speed, smoke matrix time) -> reports/bench.json
+	$(PYTHON) bench/run.py

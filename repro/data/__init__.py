@@ -60,13 +60,16 @@ def manifest_digest(entries: dict[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path | str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class HashCache:
-    """File hashes keyed on (path, size, mtime): a second verify of an unchanged tree only stats."""
+    """File hashes keyed on (path, size, mtime): a second verify of an unchanged tree only stats.
+
+    Paths are plain strings here: pathlib's per-call overhead would dominate a cached verify.
+    """
 
     def __init__(self, path: Path):
         self.path = path
@@ -76,12 +79,12 @@ class HashCache:
             self.entries = {}
         self.dirty = False
 
-    def lookup(self, file: Path, stat: os.stat_result) -> str | None:
-        hit = self.entries.get(str(file))
+    def lookup(self, file: str, stat: os.stat_result) -> str | None:
+        hit = self.entries.get(file)
         return hit[2] if hit and hit[0] == stat.st_size and hit[1] == stat.st_mtime_ns else None
 
-    def store(self, file: Path, stat: os.stat_result, digest: str) -> None:
-        self.entries[str(file)] = [stat.st_size, stat.st_mtime_ns, digest]
+    def store(self, file: str, stat: os.stat_result, digest: str) -> None:
+        self.entries[file] = [stat.st_size, stat.st_mtime_ns, digest]
         self.dirty = True
 
     def save(self) -> None:
@@ -95,22 +98,26 @@ class HashCache:
 def verify_tree(root: Path, entries: dict[str, str], deep: bool = False, cache: HashCache | None = None) -> None:
     """Check every manifest entry under `root`; raise DataError naming the first bad file."""
     cache = cache or HashCache(cache_path())
-    files = [root / name for name in sorted(entries)]
-    stats = {}
-    for file in files:
+    base = os.path.abspath(root) + os.sep
+    files, stats, todo = [], [], []
+    for name in sorted(entries):
+        file = base + name
         try:
-            stats[file] = file.stat()
+            stat = os.stat(file)
         except FileNotFoundError:
-            raise DataError(f"{file}: missing (listed in the manifest of {root})") from None
-    todo = files if deep else [f for f in files if cache.lookup(f, stats[f]) is None]
+            raise DataError(f"{root / name}: missing (listed in the manifest of {root})") from None
+        files.append(file)
+        stats.append(stat)
+        if deep or cache.lookup(file, stat) is None:
+            todo.append((file, stat))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for file, digest in zip(todo, pool.map(sha256_file, todo)):
-            cache.store(file, stats[file], digest)
+        for (file, stat), digest in zip(todo, pool.map(sha256_file, [f for f, _ in todo])):
+            cache.store(file, stat, digest)
     cache.save()
-    for file, name in zip(files, sorted(entries)):
-        got = cache.lookup(file, stats[file])
+    for file, stat, name in zip(files, stats, sorted(entries)):
+        got = cache.lookup(file, stat)
         if got != entries[name]:
-            raise DataError(f"{file}: checksum mismatch (expected {entries[name][:16]}..., got {got[:16]}...)")
+            raise DataError(f"{root / name}: checksum mismatch (expected {entries[name][:16]}..., got {got[:16]}...)")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,143 @@
+"""`make bench`: what the kit itself costs, each figure measured side by side in one run.
+
+- harness overhead: median step time of the smoke GPT-2 through `repro run` against a minimal loop
+  on the framework's own API (bench/minimal.py), same model, data, batch and process count, warm-up
+  excluded, measured in alternating rounds so drift of a busy machine hits both sides;
+- data verification: `--deep` hashing throughput per core against `sha256sum` on the same files, and
+  a cached re-verify of a 100,000-file manifest;
+- the smoke `reproduce-table2` wall time from a fresh MLflow store.
+
+Writes reports/bench.json. Usage: python bench/run.py [--only overhead,verify,table2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from repro.data import HashCache, hash_tree, verify_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, WARMUP, ROUNDS, PROCESSES = 60, 10, 2, 2
+GOALS = {"overhead": 0.02, "verify_per_core": 0.9, "cached_verify_s": 2.0, "table2_s": 600.0}
+
+
+def run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+    out = subprocess.run(command, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+
+
+def repro_step_times(framework: str, scratch: Path) -> list[float]:
+    """Step times of one `repro run`, from its event log (consecutive steps of the first epoch)."""
+    run([sys.executable, "-m", "repro.cli", "run", "gpt2", "--framework", framework, "--gpus", str(PROCESSES),
+         "--max-steps", str(STEPS + 1), "--tracking-uri", f"sqlite:///{scratch}/mlflow.db"], scratch)
+    newest = max((scratch / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    walls = [e["wall"] for e in map(json.loads, (newest / "events.jsonl").read_text().splitlines())
+             if e["event"] == "step" and e["epoch"] == 0]
+    return [b - a for a, b in zip(walls, walls[1:])]
+
+
+def minimal_step_times(framework: str, scratch: Path) -> list[float]:
+    out = scratch / f"minimal-{framework}.json"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(PROCESSES),
+         str(ROOT / "bench" / "minimal.py"), framework, str(out), str(STEPS)], scratch, {"PYTHONPATH": str(ROOT)})
+    return json.loads(out.read_text())
+
+
+def overhead(framework: str) -> dict[str, float]:
+    kit, minimal = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(ROUNDS):
+            kit += repro_step_times(framework, Path(tmp))[WARMUP:]
+            minimal += minimal_step_times(framework, Path(tmp))[WARMUP:]
+    kit_median, minimal_median = statistics.median(kit), statistics.median(minimal)
+    return {"repro_step_s": kit_median, "minimal_step_s": minimal_median,
+            "overhead": kit_median / minimal_median - 1, "goal": GOALS["overhead"], "steps": len(kit)}
+
+
+def verify_speed() -> dict[str, float]:
+    cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        names = [f"shard{i}.bin" for i in range(max(cores, 2) * 2)]
+        chunk = os.urandom(1 << 20)
+        for name in names:
+            with open(root / name, "wb") as f:
+                for _ in range(64):  # 64 MiB each
+                    f.write(chunk)
+        total = 64 * len(names)
+        start = time.perf_counter()
+        run(["sha256sum", *names], root)
+        sha256sum_rate = total / (time.perf_counter() - start)  # one process: one core
+        manifest = hash_tree(root, names)
+        start = time.perf_counter()
+        verify_tree(root, manifest, deep=True, cache=HashCache(root / "cache.json"))
+        repro_rate = total / (time.perf_counter() - start)
+        cached = cached_verify(root / "many")
+    per_core = repro_rate / min(cores, len(names)) / sha256sum_rate
+    return {"sha256sum_mib_s": sha256sum_rate, "repro_mib_s": repro_rate, "cores": cores,
+            "per_core_ratio": per_core, "goal_per_core": GOALS["verify_per_core"],
+            "cached_verify_100k_s": cached, "goal_cached_s": GOALS["cached_verify_s"]}
+
+
+def cached_verify(root: Path, count: int = 100_000) -> float:
+    """Seconds for a second verify of an unchanged 100,000-file tree (hashes come from the cache)."""
+    for index in range(count):
+        folder = root / f"{index // 1000:03d}"
+        if index % 1000 == 0:
+            folder.mkdir(parents=True)
+        (folder / f"{index}.txt").write_text(str(index))
+    names = [f"{i // 1000:03d}/{i}.txt" for i in range(count)]
+    manifest = hash_tree(root, names)
+    cache_file = root.parent / "many-cache.json"
+    verify_tree(root, manifest, cache=HashCache(cache_file))
+    start = time.perf_counter()
+    verify_tree(root, manifest, cache=HashCache(cache_file))
+    return time.perf_counter() - start
+
+
+def table2_wall() -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        run([sys.executable, "-m", "repro.cli", "table2", "--scale", "smoke", "--reports", f"{tmp}/reports",
+             "--tracking-uri", f"sqlite:///{tmp}/mlflow.db"], Path(tmp))
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        run([sys.executable, "-m", "repro.cli", "table2", "--scale", "smoke", "--reports", f"{tmp}/reports",
+             "--tracking-uri", f"sqlite:///{tmp}/mlflow.db"], Path(tmp))
+        second = time.perf_counter() - start
+    return {"first_s": first, "second_s": second, "goal_s": GOALS["table2_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="overhead,verify,table2")
+    parts = parser.parse_args().only.split(",")
+    results: dict[str, object] = {"cores": os.cpu_count()}
+    if "overhead" in parts:
+        for framework in ("ddp", "zero"):
+            results[f"overhead_{framework}"] = figure = overhead(framework)
+            print(f"harness overhead {framework}: {figure['overhead']:+.1%} "
+                  f"({figure['repro_step_s'] * 1e3:.2f} ms vs {figure['minimal_step_s'] * 1e3:.2f} ms per step; goal <= 2%)")
+    if "verify" in parts:
+        results["verify"] = figure = verify_speed()
+        print(f"verify --deep: {figure['per_core_ratio']:.2f}x sha256sum per core "
+              f"({figure['repro_mib_s']:.0f} MiB/s on {figure['cores']} cores vs {figure['sha256sum_mib_s']:.0f} MiB/s; goal >= 0.9x)")
+        print(f"cached re-verify of 100,000 files: {figure['cached_verify_100k_s']:.2f}s (goal < 2s)")
+    if "table2" in parts:
+        results["table2"] = figure = table2_wall()
+        print(f"smoke reproduce-table2: {figure['first_s']:.0f}s from a fresh store (goal < 600s), "
+              f"second call {figure['second_s']:.0f}s (goal < 60s)")
+    (ROOT / "reports").mkdir(exist_ok=True)
+    (ROOT / "reports" / "bench.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
