@@ -16,6 +16,11 @@
 # look it up; the image records it in its labels.
 ARG BASE_IMAGE=pytorch/pytorch:2.14.1-cuda13.0-cudnn9-devel
 ARG BASE_DIGEST
+# LBANN takes hours to build: WITH_LBANN=0 leaves it out (`repro list` then shows it unavailable).
+ARG WITH_LBANN=1
+ARG LBANN_VERSION=0.104
+# Spack v0.23.1, the last release whose bundled package recipes build lbann@0.104 this way.
+ARG SPACK_COMMIT=2bfcc69fa870d3c6919be87593f22647981b648a
 
 FROM ${BASE_IMAGE}@${BASE_DIGEST} AS base
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -24,6 +29,42 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
     && apt-get install -y --no-install-recommends make git ca-certificates \
     && rm -rf /var/lib/apt/lists/*
+
+# ---- LBANN 0.104, built by Spack in a stage of its own ----------------------------------------------
+# It depends on the base only, so editing the kit never rebuilds it.
+FROM base AS lbann-1
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG LBANN_VERSION
+ARG SPACK_COMMIT
+ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gfortran file unzip xz-utils bzip2 patch \
+    && rm -rf /var/lib/apt/lists/*
+RUN git init --quiet /opt/spack \
+    && git -C /opt/spack fetch --quiet --depth 1 https://github.com/spack/spack.git "${SPACK_COMMIT}" \
+    && git -C /opt/spack checkout --quiet FETCH_HEAD
+COPY docker/lbann/spack.yaml /opt/lbann/spack.yaml
+# cuda_arch: the same architectures as the kit ("8.0;9.0" -> 80,90). The front end's `lbann` package
+# is linked where the kit's Python finds it (/opt/lbann/frontend) without LBANN's other packages.
+RUN . /opt/spack/share/spack/setup-env.sh \
+    && spack compiler find \
+    && cuda_arch="$(echo "${TORCH_CUDA_ARCH_LIST}" | tr -d '.' | tr ';' ',')" \
+    && spack -e /opt/lbann add "lbann@${LBANN_VERSION} +cuda cuda_arch=${cuda_arch} +vision +pfe" \
+    && spack -e /opt/lbann concretize \
+    && spack -e /opt/lbann install --fail-fast \
+    && spack -e /opt/lbann gc --yes-to-all \
+    && spack clean --all \
+    && mkdir /opt/lbann/frontend \
+    && ln -s "$(/opt/lbann/view/bin/python3 -c 'import lbann, os; print(os.path.dirname(lbann.__file__))')" \
+        /opt/lbann/frontend/lbann
+
+# Without LBANN: an empty /opt/lbann.
+FROM base AS lbann-0
+RUN mkdir -p /opt/lbann
+
+# DL3006 (tag the image): lbann-0 and lbann-1 are this file's own stages, which carry no tag.
+# hadolint ignore=DL3006
+FROM lbann-${WITH_LBANN} AS lbann
 
 # ---- the kit and its Python dependencies, installed the way CI installs them -----------------------
 FROM base AS kit
@@ -55,6 +96,9 @@ ARG BASE_DIGEST
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
 ARG REPRO_IMAGE=repro:dev
 ARG REPRO_GIT_SHA=unknown
+ARG WITH_LBANN
+ARG LBANN_VERSION
+ARG SPACK_COMMIT
 # Versions of every framework, equal to requirements.txt (tests/test_containers.py checks it).
 LABEL org.opencontainers.image.title="repro" \
       org.opencontainers.image.description="Re-run the evaluation of parallel deep-learning frameworks (Nichols et al., 2021)" \
@@ -73,13 +117,23 @@ LABEL org.opencontainers.image.title="repro" \
       io.repro.megatron-core="0.16.1" \
       io.repro.torchgpipe="0.0.7" \
       io.repro.datasets="5.2.0" \
-      io.repro.mlflow="3.17.2"
+      io.repro.mlflow="3.17.2" \
+      io.repro.lbann="${LBANN_VERSION}" \
+      io.repro.with-lbann="${WITH_LBANN}" \
+      io.repro.spack-commit="${SPACK_COMMIT}"
 COPY --from=kit /opt/venv /opt/venv
 COPY --from=kit /opt/repro/data /opt/repro/data
+COPY --from=lbann /opt/lbann /opt/lbann
 COPY configs /opt/repro/configs
+# With LBANN: its front end visible to the kit's Python (found, not imported: the driver runs it
+# under LBANN's own Python, LBANN_PYTHON), and its programs (lbann, mpirun, srun's MPI) on PATH.
+RUN if [ -d /opt/lbann/frontend ]; then \
+        echo /opt/lbann/frontend > "$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/lbann-frontend.pth"; \
+    fi
 # REPRO_IMAGE and REPRO_GIT_SHA: `repro doctor` reports them and every run is tagged with them.
-ENV PATH=/opt/venv/bin:${PATH} \
+ENV PATH=/opt/venv/bin:${PATH}:/opt/lbann/view/bin \
     VIRTUAL_ENV=/opt/venv \
+    LBANN_PYTHON=/opt/lbann/view/bin/python3 \
     PYTHONNOUSERSITE=1 \
     PYTHONUNBUFFERED=1 \
     REPRO_IMAGE=${REPRO_IMAGE} \
