@@ -36,6 +36,7 @@ FROM base AS lbann-1
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG LBANN_VERSION
 ARG SPACK_COMMIT
+ARG SOURCE_DATE_EPOCH
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gfortran file unzip xz-utils bzip2 patch \
@@ -70,19 +71,22 @@ FROM lbann-${WITH_LBANN} AS lbann
 FROM base AS kit
 # GPU architectures to compile CUDA code for (A100 and H100/H200 by default).
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
-# DeepSpeed compiles its ops while it installs only when it can import torch: no build isolation.
-# The ops prebuilt are those ZeRO uses (fused and CPU Adam, fused LAMB, flatten utilities), so no
-# rank compiles them at run time.
-ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
+# Build steps see it as an environment variable: wheels built here get the commit's timestamps.
+ARG SOURCE_DATE_EPOCH
+# DeepSpeed prebuilds the ops ZeRO uses (fused and CPU Adam, fused LAMB, flatten utilities), so no
+# rank compiles them at run time. The build has no GPU, so the accelerator is named, not detected.
+ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} DS_ACCELERATOR=cuda \
     DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_LAMB=1 DS_BUILD_UTILS=1 \
-    PIP_NO_BUILD_ISOLATION=0 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # A virtual environment that sees the base's packages: torch comes from the base, the rest from pip.
 RUN python3 -m venv --without-pip --system-site-packages /opt/venv
 WORKDIR /src
 # Dependencies first and source second, in two layers, so that editing the kit does not recompile
 # DeepSpeed: the two targets are exactly what `make install` runs in CI.
+# DeepSpeed builds its ops only when its setup can import torch: no build isolation for this step
+# (PIP_NO_BUILD_ISOLATION=0 is pip's spelling of --no-build-isolation).
 COPY requirements.txt Makefile ./
-RUN make install-requirements PYTHON=/opt/venv/bin/python
+RUN PIP_NO_BUILD_ISOLATION=0 make install-requirements PYTHON=/opt/venv/bin/python
 COPY pyproject.toml README.md ./
 COPY repro ./repro
 # Then the smoke image set, staged read-only in the image so a first run needs no data.

@@ -12,6 +12,7 @@ GIT_SHA ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 BASE_DIGEST ?=
 TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
+WITH_LBANN ?= 1
 SIF ?= repro.sif
 MLFLOW_PORT ?= 5000
 MLFLOW_STORE ?= sqlite:///mlflow.db
@@ -61,6 +62,7 @@ image:  ## build the container image $(IMAGE):$(TAG) (needs BASE_DIGEST; see doc
 	DOCKER_BUILDKIT=1 docker build \
 		--build-arg BASE_DIGEST=$(BASE_DIGEST) \
 		--build-arg TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" \
+		--build-arg WITH_LBANN=$(WITH_LBANN) \
 		--build-arg SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) \
 		--build-arg REPRO_IMAGE=$(IMAGE):$(TAG) \
 		--build-arg REPRO_GIT_SHA=$(GIT_SHA) \

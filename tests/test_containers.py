@@ -88,6 +88,8 @@ def test_image_labels_carry_the_pinned_versions() -> None:
     pinned = pins()
     for distribution in ("torch", "torchvision", "deepspeed", "megatron-core", "torchgpipe", "datasets", "mlflow"):
         assert labels[distribution] == pinned[distribution], distribution
+    built_ops = {op.lower() for op in re.findall(r"\bDS_BUILD_(\w+)=1", text)}
+    assert built_ops == set(labels["deepspeed-ops"].split(","))
     base_tag = re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:([\d.]+)-", text, re.M).group(1)
     assert base_tag == pinned["torch"], "the base image must carry the pinned torch"
     # LBANN: the version built is the one `repro` tells users to install.

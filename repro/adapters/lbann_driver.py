@@ -84,8 +84,9 @@ class Job:
         self.write_label_list(val, data_dir / "val", self.work / "val.txt")
         self.plan = translation.plan(recipe, data_dir, self.work, workload.num_classes)
         (self.work / "plan.json").write_text(json.dumps(self.plan, indent=2))
+        # LBANN's epochs visit every sample: the last mini-batch is a partial one.
         self.global_batch = self.plan["mini_batch_size"]
-        self.steps_per_epoch = self.train_samples // self.global_batch
+        self.steps_per_epoch = -(-self.train_samples // self.global_batch)
         self.writer = events.EventWriter(run_dir / events.EVENTS_FILE)
 
     @staticmethod
