@@ -6,6 +6,7 @@ commands that build and verify them); everything that can be checked without the
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -173,6 +174,7 @@ def mlflow_server(tmp_path: Path):
          "--artifacts-destination", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"],
         cwd=store, stdout=open(store / "server.log", "w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no background job runner
     )
     uri = f"http://127.0.0.1:{port}"
     try:

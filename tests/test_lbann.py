@@ -130,15 +130,20 @@ def test_plan_carries_the_smoke_recipe() -> None:
     assert translation.model_state_bytes(plan)["optimizer"] == 2 * translation.model_state_bytes(plan)["parameters"]
 
 
-def test_label_lists_are_the_samples_the_other_frameworks_read(tmp_path: Path) -> None:
+def digits_root() -> Path:
     from repro.data import DataError
     from repro.data.sets import dataset
-    from repro.workloads.vgg16 import VGG16Workload
 
     try:
-        root = dataset("digits").locate()
+        return dataset("digits").locate()
     except DataError as error:
         pytest.skip(f"needs the digits set: {error}")
+
+
+def test_label_lists_are_the_samples_the_other_frameworks_read(tmp_path: Path) -> None:
+    from repro.workloads.vgg16 import VGG16Workload
+
+    root = digits_root()
     recipe = lbann_recipe("smoke", "data.max_train_samples=100")
     train, val = VGG16Workload(recipe.model, recipe.data, root).datasets()
     Job.write_label_list(train, root / "train", tmp_path / "train.txt")
@@ -259,3 +264,31 @@ def test_epochs_become_the_loops_events_and_mlflow_metrics() -> None:
     _, epoch = epoch_events(second, 4.21437, steps_per_epoch=44, samples=1437, state_bytes=state)
     assert math.isnan(epoch["epoch_s"]) and epoch["val"] == {"val/loss": 0.841637}
     assert epoch["ranks"][0]["peak_bytes"] == round(1.5 * GIB)
+
+
+def test_driver_writes_lbanns_inputs_and_follows_its_log(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+
+    root = digits_root()
+    recipe = lbann_recipe("smoke", "run.gpus=4", "run.nodes=2", "train.epochs=3")
+    job = Job(recipe, tmp_path, root)
+    plan = (tmp_path / "lbann" / "plan.json").read_text()
+    assert '"mini_batch_size": 64' in plan and f'"data_filedir": "{root}/train/"' in plan
+    train_lines = (tmp_path / "lbann" / "train.txt").read_text().splitlines()
+    assert len(train_lines) == job.train_samples == 1433  # digits: 1797 images, every 5th of a class for validation
+    assert job.steps_per_epoch == 23  # 1433 / 64 = 22.4: the last mini-batch is partial
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    prototext = tmp_path / "lbann" / "experiment.prototext"
+    assert job.command(prototext)[:4] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
+    # The log of a finished job becomes trainer 0's three epochs, as the loop would have written them.
+    (tmp_path / "lbann" / "out.log").write_text(LOG)
+    assert job.follow(subprocess.Popen(["true"]), tmp_path / "lbann" / "out.log") == 0
+    job.writer.close()
+    written = events.read_all(tmp_path / events.EVENTS_FILE)
+    assert [e["event"] for e in written] == [events.STEP, events.EPOCH] * 3 + [events.END]
+    epochs = [e for e in written if e["event"] == events.EPOCH]
+    assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 23), (1, 46), (2, 69)]
+    assert epochs[2]["val"] == {"val/loss": 34.3421, "val/accuracy": 0.555}
+    assert written[-1]["step"] == 69
+    for epoch in epochs:
+        assert {key for key, _, _ in tracking.event_metrics(epoch)} >= {"val/loss", "train/objective", events.EPOCH_TIME}
