@@ -19,15 +19,15 @@ ARG BASE_DIGEST
 # LBANN takes hours to build: WITH_LBANN=0 leaves it out (`repro list` then shows it unavailable).
 ARG WITH_LBANN=1
 ARG LBANN_VERSION=0.104
-# Spack v0.23.1, the last release whose bundled package recipes build lbann@0.104 this way.
+# Spack v0.23.1: the last release that bundles its package recipes, lbann@0.104's among them.
 ARG SPACK_COMMIT=2bfcc69fa870d3c6919be87593f22647981b648a
 
 FROM ${BASE_IMAGE}@${BASE_DIGEST} AS base
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
-# make runs the kit's install targets; git is how Spack fetches itself (LBANN stage).
+# make runs the kit's install targets; g++ compiles DeepSpeed's ops and LBANN; git fetches Spack.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make git ca-certificates \
+    && apt-get install -y --no-install-recommends make g++ git ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 # ---- LBANN 0.104, built by Spack in a stage of its own ----------------------------------------------
