@@ -222,3 +222,15 @@ def test_doctor_reports_the_image_it_runs_in(repro) -> None:
     result = repro("doctor", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["image"] == "repro:0123abcd"
+
+
+def test_make_targets_print_the_container_commands() -> None:
+    tool("make")
+    image = " ".join(make_dry_run("image", "BASE_DIGEST=sha256:0123", "TAG=t", "WITH_LBANN=0"))
+    for part in ("docker build", "--build-arg BASE_DIGEST=sha256:0123", "--build-arg WITH_LBANN=0",
+                 "--build-arg REPRO_IMAGE=repro:t", "--build-arg SOURCE_DATE_EPOCH=", "--tag repro:t"):
+        assert part in image
+    assert make_dry_run("sif", "TAG=t")[-1] == "apptainer build --build-arg FROM=repro:t repro.sif apptainer.def"
+    assert "docker compose up" in make_dry_run("compose-up", "TAG=t")[-1]
+    unpinned = subprocess.run(["make", "-s", "-C", str(REPO), "image", "BASE_DIGEST="], capture_output=True, text=True)
+    assert unpinned.returncode != 0 and "docker buildx imagetools inspect" in unpinned.stdout
