@@ -3,8 +3,22 @@ PYTHON ?= .venv/bin/python
 VENV_PYTHON ?= python3
 SCALE ?= smoke
 PYTEST_ARGS ?=
+# `--editable` for a checkout you work in; the image installs a regular copy (EDITABLE=).
+EDITABLE ?= --editable
+# Containers: image name and tag, the pinned base (see Dockerfile), GPU architectures, LBANN on or off.
+IMAGE ?= repro
+TAG ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo dev)
+GIT_SHA ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
+BASE_DIGEST ?=
+TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
+WITH_LBANN ?= 1
+SIF ?= repro.sif
+MLFLOW_PORT ?= 5000
+MLFLOW_STORE ?= sqlite:///mlflow.db
 
-.PHONY: help setup install test test-fast reproduce-table2 mlflow-ui data clean bench
+.PHONY: help setup install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
+	image sif compose-up bench
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -13,10 +27,14 @@ setup:  ## create .venv and install the kit with its pinned dependencies
 	$(VENV_PYTHON) -m venv .venv
 	$(MAKE) install PYTHON=.venv/bin/python
 
-install:  ## install pinned requirements and the kit into $(PYTHON) (the image runs this same target)
+install: install-requirements install-kit  ## install pinned requirements and the kit into $(PYTHON) (the image runs these same two steps)
+
+install-requirements:  ## the pinned requirements only (the image's dependency layer)
 	$(PYTHON) -m pip install --upgrade pip
 	$(PYTHON) -m pip install -r requirements.txt
-	$(PYTHON) -m pip install --no-deps -e .
+
+install-kit:  ## the kit itself, without dependencies (the image's source layer)
+	$(PYTHON) -m pip install --no-deps $(EDITABLE) .
 
 data:  ## prepare the smoke datasets (digits is generated; wikitext-2 is read from a staged copy or fetched)
 	$(PYTHON) -m repro.cli data prepare digits
@@ -31,8 +49,27 @@ test-fast:  ## unit tests only (no multi-process training)
 reproduce-table2: data  ## run the Table 2 matrix at SCALE (smoke by default) and write reports/
 	$(PYTHON) -m repro.cli table2 --scale $(SCALE)
 
-mlflow-ui:  ## browse every run (embedded sqlite store) on http://127.0.0.1:5000
-	$(PYTHON) -m mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+mlflow-ui:  ## browse the runs of MLFLOW_STORE (default: the embedded sqlite file) on http://127.0.0.1:$(MLFLOW_PORT)
+	$(PYTHON) -m mlflow ui --backend-store-uri $(MLFLOW_STORE) --host 127.0.0.1 --port $(MLFLOW_PORT)
+
+image:  ## build the container image $(IMAGE):$(TAG) (needs BASE_DIGEST; see docs/containers.md)
+	@test -n "$(BASE_DIGEST)" || { echo "BASE_DIGEST is not set: pin the base image, e.g." \
+		"make image BASE_DIGEST=\$$(docker buildx imagetools inspect --format '{{json .Manifest.Digest}}'" \
+		"pytorch/pytorch:2.14.1-cuda13.0-cudnn9-devel | tr -d '\"')"; exit 2; }
+	DOCKER_BUILDKIT=1 docker build \
+		--build-arg BASE_DIGEST=$(BASE_DIGEST) \
+		--build-arg TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" \
+		--build-arg WITH_LBANN=$(WITH_LBANN) \
+		--build-arg SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) \
+		--build-arg REPRO_IMAGE=$(IMAGE):$(TAG) \
+		--build-arg REPRO_GIT_SHA=$(GIT_SHA) \
+		--tag $(IMAGE):$(TAG) --tag $(IMAGE):latest .
+
+sif:  ## build the Apptainer image $(SIF) from $(IMAGE):$(TAG) in the local Docker daemon
+	apptainer build --build-arg FROM=$(IMAGE):$(TAG) $(SIF) apptainer.def
+
+compose-up:  ## start PostgreSQL, the MLflow server (http://127.0.0.1:$(MLFLOW_PORT)) and a smoke run of the image
+	REPRO_TAG=$(TAG) MLFLOW_PORT=$(MLFLOW_PORT) docker compose up --build
 
 clean:  ## remove runs, reports and the local MLflow store
 	rm -rf runs reports mlflow.db mlruns

@@ -18,7 +18,7 @@ from typing import Callable, TextIO
 
 import yaml
 
-from repro import doctor, events, launch, registry, tracking
+from repro import doctor, events, registry, tracking
 from repro.data import DataError
 from repro.data.sets import dataset
 from repro.loop import RUN_FILE
@@ -112,12 +112,7 @@ def new_run_dir(recipe: Recipe) -> Path:
 
 
 def command_for(recipe: Recipe, run_dir: Path) -> list[str]:
-    adapter = registry.adapter_class(recipe.run.framework)
-    if recipe.run.nodes > 1:
-        raise registry.Unavailable(
-            f"--nodes {recipe.run.nodes}: the local launcher runs on one machine; use --nodes 1"
-        )
-    return launch.torchrun_local(adapter.processes(recipe), run_dir)
+    return registry.adapter_class(recipe.run.framework).command(recipe, run_dir)
 
 
 def execute(

@@ -41,7 +41,8 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
     if kind != events.EPOCH:
         return []
     step = event["epoch"] + 1
-    out = [(key, value, step) for key, value in event["val"].items()]
+    # `train`: per-epoch training metrics, from frameworks that report them (LBANN's accuracy).
+    out = [(key, value, step) for key, value in {**event.get("train", {}), **event["val"]}.items()]
     out += [
         (events.EPOCH_TIME, event["epoch_s"], step),
         (events.ELAPSED, event["elapsed_s"], step),

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from repro import launch, registry
 from repro.metrics import model_state
 from repro.recipe import FrameworkOptions, Recipe
 from repro.workloads import Workload
@@ -49,6 +51,19 @@ class Adapter:
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
         """Raise RecipeError (naming the field) when the recipe cannot run under this framework."""
+
+    @classmethod
+    def command(cls, recipe: Recipe, run_dir: Path) -> list[str]:
+        """The job's command line: PyTorch's launcher starting repro.loop in every process.
+
+        A framework with its own runtime (LBANN) returns the command of its own driver instead,
+        which must write the same events (repro.events) into `run_dir`.
+        """
+        if recipe.run.nodes > 1:
+            raise registry.Unavailable(
+                f"--nodes {recipe.run.nodes}: the local launcher runs on one machine; use --nodes 1"
+            )
+        return launch.torchrun_local(cls.processes(recipe), run_dir)
 
     @classmethod
     def processes(cls, recipe: Recipe) -> int:

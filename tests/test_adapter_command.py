@@ -1,0 +1,24 @@
+"""The runner asks the framework's adapter for the job's command line (default: torchrun + repro.loop)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from repro import launch, registry, runner
+from repro.recipe import load_file, recipe_path
+
+
+def test_default_command_is_torchrun_of_the_loop() -> None:
+    recipe = load_file(recipe_path("gpt2", "smoke"), ["run.gpus=3"])
+    command = runner.command_for(recipe, Path("/runs/x"))
+    assert command == launch.torchrun_local(3, Path("/runs/x"), sys.executable)
+    assert command[-3:] == ["-m", "repro.loop", "/runs/x"]
+    assert command[command.index("--nproc-per-node") + 1] == "3"
+
+
+def test_default_command_refuses_several_nodes() -> None:
+    recipe = load_file(recipe_path("gpt2", "smoke"), ["run.gpus=4", "run.nodes=2"])
+    with pytest.raises(registry.Unavailable, match="--nodes 2: the local launcher runs on one machine"):
+        runner.command_for(recipe, Path("/runs/x"))

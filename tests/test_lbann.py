@@ -1,0 +1,294 @@
+"""LBANN without its binary: the recipe's translation, the launch commands, the log parser, the events.
+
+LBANN itself (the C++ binary and its Python front end) is not installed here; docs/containers.md
+gives the command that runs it in the image on GPUs.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from repro import events, launch, tracking
+from repro.adapters import lbann as translation
+from repro.adapters.lbann_driver import MEMORY_METHOD, Job, epoch_events
+from repro.adapters.lbann_log import GIB, parse, trainer_epochs
+from repro.recipe import load_file, recipe_path
+from repro.schema import RecipeError
+from repro.workloads.vgg16 import VGG16Spec, build_vgg16
+
+GOLDEN = Path(__file__).parent / "golden"
+PAPER_FP32 = ["run.framework=lbann", "train.precision=fp32"]
+
+
+def lbann_recipe(scale: str, *overrides: str):
+    return load_file(recipe_path("vgg16", scale), ["run.framework=lbann", *overrides])
+
+
+# -- availability and applicability --------------------------------------------------------------
+
+
+def test_absent_lbann_fails_at_once_saying_how_to_get_it(repro) -> None:
+    result = repro("run", "vgg16", "--framework", "lbann", "--gpus", "2")
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert "framework 'lbann' is not available here: missing lbann, lbann" in line
+    assert "container image" in line and "spack install lbann@0.104 +cuda +vision +pfe" in line
+    assert not (repro.cwd / "runs").exists()
+    listing = repro("list")
+    assert any(l.split()[0] == "lbann" and "unavailable" in l for l in listing.stdout.splitlines())
+
+
+def test_gpt2_is_not_applicable() -> None:
+    with pytest.raises(RecipeError, match="lbann is not applicable to gpt2: the kit translates only VGG-16"):
+        load_file(recipe_path("gpt2", "smoke"), ["run.framework=lbann"])
+
+
+@pytest.mark.parametrize("overrides, field, message", [
+    ([], "train.precision", "fp32 only, got bf16"),
+    (["train.precision=fp32", "train.max_steps=5"], "train.max_steps", "whole epochs"),
+    (["train.precision=fp32", "model.image_size=256"], "model.pool_size",
+     "image_size 256 / 2**5 = 8 != pool_size 7"),
+    (["train.precision=fp32", "train.optimizer.name=lamb"], "train.optimizer.name", "sgd, adam here, not lamb"),
+])
+def test_recipes_lbann_cannot_run_fail_naming_the_field(overrides: list[str], field: str, message: str) -> None:
+    with pytest.raises(RecipeError, match=re.escape(message)) as error:
+        lbann_recipe("paper", *overrides)
+    assert error.value.field == field
+
+
+# -- the translation -------------------------------------------------------------------------------
+
+
+def torch_layers(model: nn.Sequential) -> list[nn.Module]:
+    """The layers LBANN mirrors (the adaptive pool is an identity there, the flatten implicit)."""
+    return [m for m in model if not isinstance(m, (nn.AdaptiveAvgPool2d, nn.Flatten))]
+
+
+@pytest.mark.parametrize("spec, classes", [(VGG16Spec(), 1000), (VGG16Spec(8, 128, 1, 32, 0.0), 10)],
+                         ids=["paper", "smoke"])
+def test_layers_match_the_workload_model(spec: VGG16Spec, classes: int) -> None:
+    with torch.device("meta"):
+        model = build_vgg16(spec, classes)
+    planned = translation.layers(spec, classes)
+    assert len(planned) == len(torch_layers(model))
+    for layer, module in zip(planned, torch_layers(model)):
+        if isinstance(module, nn.Conv2d):
+            assert layer["kind"] == "convolution"
+            assert (layer["out_channels"], layer["kernel_size"], layer["stride"], layer["padding"]) == (
+                module.out_channels, module.kernel_size[0], module.stride[0], module.padding[0])
+            fan_out = nn.init._calculate_correct_fan(module.weight, "fan_out")
+            assert layer["init_std"] == pytest.approx(nn.init.calculate_gain("relu") / math.sqrt(fan_out))
+        elif isinstance(module, nn.Linear):
+            assert (layer["kind"], layer["size"], layer["init_std"]) == ("fully_connected", module.out_features, 0.01)
+        elif isinstance(module, nn.MaxPool2d):
+            assert (layer["kind"], layer["size"], layer["stride"]) == ("max_pool", module.kernel_size, module.stride)
+        elif isinstance(module, nn.Dropout):
+            assert (layer["kind"], layer["keep_prob"]) == ("dropout", 1 - module.p)
+        else:
+            assert isinstance(module, nn.ReLU) and layer["kind"] == "relu"
+    parameters = sum(p.numel() for p in model.parameters())
+    assert translation.parameter_count(planned, 3, spec.image_size) == parameters
+    if classes == 1000:
+        assert parameters == 138_357_544  # torchvision's vgg16
+
+
+def test_plan_carries_the_paper_recipe() -> None:
+    recipe = lbann_recipe("paper", "train.precision=fp32", "run.gpus=8", "run.nodes=2")
+    plan = translation.plan(recipe, Path("/data/imagenet"), Path("/runs/r/lbann"), 1000)
+    assert plan["mini_batch_size"] == 64 * 8  # the paper's rule: per-GPU batch times GPUs
+    assert (plan["epochs"], plan["seed"]) == (90, 1234)
+    assert plan["optimizer"] == {"name": "sgd", "learn_rate": 0.01, "momentum": 0.9}
+    assert plan["l2_scale"] == 0.0001
+    train, val = plan["readers"]
+    assert (train["role"], train["shuffle"], train["data_filedir"], train["num_labels"]) == (
+        "train", True, "/data/imagenet/train/", 1000)
+    assert (val["role"], val["shuffle"], val["data_filename"]) == ("validate", False, "/runs/r/lbann/val.txt")
+    assert train["transforms"] == [
+        {"random_resized_crop": {"height": 224, "width": 224}}, {"horizontal_flip": {"p": 0.5}},
+        {"normalize_to_lbann_layout": {"means": "0.406 0.456 0.485", "stddevs": "0.225 0.224 0.229"}},
+    ]
+    assert val["transforms"][0] == {
+        "resized_center_crop": {"height": 256, "width": 256, "crop_height": 224, "crop_width": 224}}
+    assert plan["callbacks"] == ["print", "timer", "gpu_memory_usage"]
+    state = translation.model_state_bytes(plan)
+    assert state == {"parameters": 138_357_544 * 4, "gradients": 138_357_544 * 4, "optimizer": 138_357_544 * 4}
+
+
+def test_plan_carries_the_smoke_recipe() -> None:
+    recipe = lbann_recipe("smoke", "run.gpus=2")
+    plan = translation.plan(recipe, Path("/d"), Path("/w"), 10)
+    assert plan["mini_batch_size"] == 32
+    assert plan["optimizer"] == {"name": "adam", "learn_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    assert plan["l2_scale"] == 0.0
+    assert [t for t in plan["readers"][0]["transforms"]] == [
+        {"normalize_to_lbann_layout": {"means": "0.5 0.5 0.5", "stddevs": "0.5 0.5 0.5"}}]
+    assert translation.model_state_bytes(plan)["optimizer"] == 2 * translation.model_state_bytes(plan)["parameters"]
+
+
+def digits_root() -> Path:
+    from repro.data import DataError
+    from repro.data.sets import dataset
+
+    try:
+        return dataset("digits").locate()
+    except DataError as error:
+        pytest.skip(f"needs the digits set: {error}")
+
+
+def test_label_lists_are_the_samples_the_other_frameworks_read(tmp_path: Path) -> None:
+    from repro.workloads.vgg16 import VGG16Workload
+
+    root = digits_root()
+    recipe = lbann_recipe("smoke", "data.max_train_samples=100")
+    train, val = VGG16Workload(recipe.model, recipe.data, root).datasets()
+    Job.write_label_list(train, root / "train", tmp_path / "train.txt")
+    Job.write_label_list(val, root / "val", tmp_path / "val.txt")
+    lines = (tmp_path / "train.txt").read_text().splitlines()
+    assert len(lines) == 100 and len((tmp_path / "val.txt").read_text().splitlines()) == len(val)
+    for index in (0, 57, 99):
+        relative, label = lines[index].split()
+        image, target = train[index]
+        assert int(label) == target == train.dataset.samples[index][1]
+        assert (root / "train" / relative).is_file() and relative.startswith(f"{target}/")
+
+
+# -- the launch ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("launcher, nodes, gpus", [("slurm", 2, 8), ("mpirun", 1, 4)])
+def test_launch_command_matches_the_recorded_one(launcher: str, nodes: int, gpus: int) -> None:
+    prototext = Path("RUN_DIR/lbann/experiment.prototext")
+    command = launch.LBANN_LAUNCHERS[launcher](nodes, gpus, "/opt/lbann/view/bin/lbann", prototext)
+    golden = "lbann-srun.txt" if launcher == "slurm" else "lbann-mpirun.txt"
+    assert command == (GOLDEN / golden).read_text().splitlines()
+
+
+def test_auto_launcher_follows_the_allocation() -> None:
+    assert launch.lbann_launcher("auto", {"SLURM_JOB_ID": "42"}) == "slurm"
+    assert launch.lbann_launcher("auto", {}) == "mpirun"
+    assert launch.lbann_launcher("mpirun", {"SLURM_JOB_ID": "42"}) == "mpirun"
+
+
+def test_runner_launches_the_lbann_driver() -> None:
+    recipe = lbann_recipe("smoke")
+    command = translation.LBANNAdapter.command(recipe, Path("/runs/x"))
+    assert command[1:] == ["-m", "repro.adapters.lbann_driver", "/runs/x"]
+
+
+# -- the output ------------------------------------------------------------------------------------
+
+# Two trainers interleaved, three epochs of trainer 0, N/A values, one memory line without a median.
+LOG = """\
+--------------------------------------------------------------------------------
+[0] Epoch : stats formated [tr/v/te] iter/epoch = [44/12/0]
+            global MB = [  32/  32/   0] global last MB = [  16/  24/   0]
+--------------------------------------------------------------------------------
+model0 (instance 0) training epoch 0 objective function : 2.30281
+model0 (instance 0) training epoch 0 accuracy : 11.5385%
+model0 (instance 0) training epoch 0 cross_entropy : 2.30281
+model0 (instance 1) training epoch 0 objective function : 2.30299
+model0 (instance 0) training epoch 0 run time : 4.21437s
+model0 (instance 0) training epoch 0 mini-batch time statistics : 0.0957s mean, 0.0931s median, 0.161s max, 0.0902s min, 0.0113s stdev
+model0 (instance 1) training epoch 0 run time : 4.3s
+model0 (instance 0) validation objective function : 2.30155
+model0 (instance 0) validation accuracy : 18.3333%
+model0 (instance 0) validation cross_entropy : 2.30155
+model0 (instance 1) validation accuracy : 10%
+Model 0 GPU memory usage statistics : 0.902 GiB mean, 0.902 GiB median, 0.902 GiB max, 0.902 GiB min (15.8 GiB total)
+model0 (instance 0) training epoch 1 objective function : 1.52214
+model0 (instance 0) training epoch 1 accuracy : 45.2941%
+model0 (instance 0) training epoch 1 cross_entropy : 1.52214
+model0 (instance 0) training epoch 1 run time : N/A
+model0 (instance 0) validation objective function : 0.841637
+model0 (instance 0) validation accuracy : N/A
+model0 (instance 0) validation cross_entropy : 0.841637
+Model 0 GPU memory usage statistics : 0.95 GiB mean, 1.25 GiB max, 0.9 GiB min (15.8 GiB total)
+Model 0 GPU memory usage statistics : 0.95 GiB mean, 1.5 GiB max, 0.9 GiB min (15.8 GiB total)
+model0 (instance 0) training epoch 2 objective function : 0.00160377
+model0 (instance 0) training epoch 2 accuracy : 99.9717%
+model0 (instance 0) training epoch 2 cross_entropy : 0.00160377
+model0 (instance 0) training epoch 2 run time : 0.80641s
+model0 (instance 0) validation objective function : 34.3421
+model0 (instance 0) validation accuracy : 55.5%
+model0 (instance 0) validation cross_entropy : 34.3421
+Model 0 GPU memory usage statistics : N/A GiB mean, N/A GiB median, N/A GiB max, N/A GiB min (N/A GiB total)
+"""
+
+
+def test_parser_reads_every_trainer_and_epoch() -> None:
+    epochs = parse(LOG)
+    assert sorted((e.trainer, e.epoch) for e in epochs) == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    first, second, third = trainer_epochs(epochs, 0)
+    assert first.training == {"objective function": 2.30281, "accuracy": 11.5385, "cross_entropy": 2.30281,
+                               "run time": 4.21437}
+    assert first.validation == {"objective function": 2.30155, "accuracy": 18.3333, "cross_entropy": 2.30155}
+    assert first.memory_gib == {"mean": 0.902, "median": 0.902, "max": 0.902, "min": 0.902, "total": 15.8}
+    assert second.training["run time"] is None and second.validation["accuracy"] is None
+    assert second.memory_gib == {"mean": 0.95, "max": 1.5, "min": 0.9, "total": 15.8}  # the larger; no median
+    assert third.training["objective function"] == 0.00160377 and third.validation["accuracy"] == 55.5
+    assert third.memory_gib["max"] is None
+    [other] = trainer_epochs(epochs, 1)
+    assert other.training == {"objective function": 2.30299, "run time": 4.3}
+    assert other.validation == {"accuracy": 10.0}
+
+
+def test_parser_on_a_partial_log_keeps_what_it_has() -> None:
+    head = LOG[: LOG.index("model0 (instance 0) training epoch 1 run time")]
+    first, second = trainer_epochs(parse(head), 0)
+    assert first.validation["accuracy"] == 18.3333
+    assert second.training == {"objective function": 1.52214, "accuracy": 45.2941, "cross_entropy": 1.52214}
+    assert parse("") == [] and parse("garbage : 1\nmodel0 (instance 0) testing accuracy : 5%\n") == []
+
+
+def test_epochs_become_the_loops_events_and_mlflow_metrics() -> None:
+    first, second, _ = trainer_epochs(parse(LOG), 0)
+    state = {"parameters": 400, "gradients": 400, "optimizer": 800}
+    step, epoch = epoch_events(first, 0.0, steps_per_epoch=44, samples=1437, state_bytes=state)
+    assert step == {"event": events.STEP, "step": 44, "epoch": 0, "loss": 2.30281}
+    assert epoch["val"] == {"val/loss": 2.30155, "val/accuracy": pytest.approx(0.183333)}
+    assert epoch["train"] == {"train/objective": 2.30281, "train/accuracy": pytest.approx(0.115385)}
+    assert (epoch["epoch_s"], epoch["elapsed_s"]) == (4.21437, 4.21437)
+    assert epoch["samples_per_s"] == pytest.approx(1437 / 4.21437)
+    assert epoch["ranks"] == [{"rank": 0, "method": MEMORY_METHOD, "peak_bytes": round(0.902 * GIB), **state}]
+    metrics = {key: value for key, value, _ in tracking.event_metrics(epoch)}
+    assert metrics["val/accuracy"] == pytest.approx(0.183333)
+    assert metrics["train/accuracy"] == pytest.approx(0.115385)
+    assert metrics[events.PEAK_MEMORY] == round(0.902 * GIB)
+    assert metrics[events.MODEL_STATE] == 1600
+    # N/A: no run time, no validation accuracy; the numbers that exist still arrive.
+    _, epoch = epoch_events(second, 4.21437, steps_per_epoch=44, samples=1437, state_bytes=state)
+    assert math.isnan(epoch["epoch_s"]) and epoch["val"] == {"val/loss": 0.841637}
+    assert epoch["ranks"][0]["peak_bytes"] == round(1.5 * GIB)
+
+
+def test_driver_writes_lbanns_inputs_and_follows_its_log(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+
+    root = digits_root()
+    recipe = lbann_recipe("smoke", "run.gpus=4", "run.nodes=2", "train.epochs=3")
+    job = Job(recipe, tmp_path, root)
+    plan = (tmp_path / "lbann" / "plan.json").read_text()
+    assert '"mini_batch_size": 64' in plan and f'"data_filedir": "{root}/train/"' in plan
+    train_lines = (tmp_path / "lbann" / "train.txt").read_text().splitlines()
+    assert len(train_lines) == job.train_samples == 1433  # digits: 1797 images, every 5th of a class for validation
+    assert job.steps_per_epoch == 23  # 1433 / 64 = 22.4: the last mini-batch is partial
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    prototext = tmp_path / "lbann" / "experiment.prototext"
+    assert job.command(prototext)[:4] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
+    # The log of a finished job becomes trainer 0's three epochs, as the loop would have written them.
+    (tmp_path / "lbann" / "out.log").write_text(LOG)
+    assert job.follow(subprocess.Popen(["true"]), tmp_path / "lbann" / "out.log") == 0
+    job.writer.close()
+    written = events.read_all(tmp_path / events.EVENTS_FILE)
+    assert [e["event"] for e in written] == [events.STEP, events.EPOCH] * 3 + [events.END]
+    epochs = [e for e in written if e["event"] == events.EPOCH]
+    assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 23), (1, 46), (2, 69)]
+    assert epochs[2]["val"] == {"val/loss": 34.3421, "val/accuracy": 0.555}
+    assert written[-1]["step"] == 69
+    for epoch in epochs:
+        assert {key for key, _, _ in tracking.event_metrics(epoch)} >= {"val/loss", "train/objective", events.EPOCH_TIME}
