@@ -2,7 +2,8 @@
 
 The loop records losses only; to compare frameworks logit for logit, this runs the same Trainer
 and saves the full-vocabulary logits of a fixed validation batch before and after training to
-RUN_DIR/logits.pt (reporting rank). Launched by tests through torchrun.
+RUN_DIR/logits.pt (reporting rank), and each rank's trained weights to RUN_DIR/state-RANK.pt.
+Launched by tests through torchrun.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def main(run_dir: Path) -> None:
         trainer.run()
         with torch.no_grad():
             after = trainer.adapter.forward(tokens)
+        torch.save(trainer.adapter.model.state_dict(), run_dir / f"state-{trainer.ctx.rank}.pt")
         if trainer.reporting:
             torch.save({"before": before.cpu(), "after": after.cpu()}, run_dir / "logits.pt")
     finally:
