@@ -91,7 +91,9 @@ class ParallelContext:
         from megatron.core import ModelParallelConfig
 
         self.tp, self.rank = tp, rank
-        # CPU initialisation works on every device; the weights are the plain model's, copied in.
+        # CPU initialisation works on any device (the model moves afterwards). The layers "initialise"
+        # with zeros_ because their weights are the plain model's, copied in; that library path also
+        # tags the shards as tensor-parallel, which megatron-core's helpers read.
         self.config = ModelParallelConfig(
             tensor_model_parallel_size=tp, use_cpu_initialization=True, deterministic_mode=True
         )
