@@ -1,0 +1,206 @@
+"""Megatron (megatron-core) on CPU: recipe checks, Megatron's arithmetic, hybrid runs, memory per rank."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, Repro, Result
+from repro import tracking
+from repro.adapters.megatron import MegatronAdapter
+from repro.loop import RUN_FILE
+from repro.recipe import load_file, recipe_path
+from repro.runner import verify_data
+from repro.schema import RecipeError
+from repro.workloads.gpt2 import build_gpt2
+
+PROBE = Path(__file__).with_name("logits_probe.py")
+STEPS = 5
+TOLERANCE = 1e-5  # fp32
+
+
+def smoke(*overrides: str):
+    return load_file(recipe_path("gpt2", "smoke"), ["run.framework=megatron", *overrides])
+
+
+# -- recipe checks, no processes ------------------------------------------------------------------
+
+
+def test_world_must_be_tp_times_dp():
+    with pytest.raises(RecipeError, match=r"megatron\.tp: gpus \(6\) must be tp \(4\) x dp: 6 % 4 = 2"):
+        smoke("run.gpus=6", "megatron.tp=4")
+
+
+def test_lamb_is_not_a_megatron_optimizer():
+    with pytest.raises(RecipeError, match="megatron.optimizer: megatron-core's optimizers are adam, adamw, sgd, not lamb"):
+        smoke("megatron.optimizer.name=lamb")
+
+
+def test_variant_names_the_table_row():
+    assert MegatronAdapter.variant(smoke("run.gpus=4", "megatron.tp=1")) == "megatron-data"
+    assert MegatronAdapter.variant(smoke("run.gpus=4", "megatron.tp=4")) == "megatron-intra"
+    assert MegatronAdapter.variant(smoke("run.gpus=4", "megatron.tp=2")) == "megatron-hybrid"
+
+
+def test_vgg16_fails_at_once_in_one_line(repro):
+    result = repro("run", "vgg16", "--framework", "megatron", "--gpus", "2")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert "Megatron's intra-layer scheme targets transformers" in result.stderr
+    assert not (result.cwd / "runs").exists()
+
+
+# -- Megatron's arithmetic: same weights, same logits and losses ----------------------------------
+
+
+def probe(folder: Path, framework: str, gpus: int, *overrides: str) -> dict:
+    """Train STEPS steps through tests/logits_probe.py; its losses, memory and logits."""
+    recipe = load_file(recipe_path("gpt2", "smoke"), [
+        f"run.framework={framework}", f"run.gpus={gpus}", f"train.max_steps={STEPS}", *overrides,
+    ])
+    data_dir, _ = verify_data(recipe)
+    run_dir = folder / f"{framework}-{gpus}g-{'-'.join(overrides)}"
+    run_dir.mkdir()
+    (run_dir / RUN_FILE).write_text(json.dumps({"recipe": recipe.to_dict(), "data_dir": str(data_dir)}))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
+               str(PROBE), str(run_dir)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return {
+        "losses": [e["loss"] for e in events if e["event"] == "step"],
+        "ranks": next(e["ranks"] for e in events if e["event"] == "epoch"),
+        "states": [torch.load(run_dir / f"state-{rank}.pt") for rank in range(gpus)],
+        **torch.load(run_dir / "logits.pt"),
+    }
+
+
+@pytest.fixture(scope="module")
+def same_weights(tmp_path_factory) -> dict[str, dict]:
+    """Global batch 16 each: plain GPT-2 under DDP on 1 process, Megatron tp=1 x dp=2, tp=2 x dp=1;
+    and tp=4 with dropout (the paper scale's 0.1) for the replicas and the bytes per rank."""
+    folder = tmp_path_factory.mktemp("megatron-arithmetic")
+    spec = smoke().optimizer()  # megatron-core's AdamW, for all three (YAML reads 1e-08 as text: eps stays default)
+    optimizer = json.dumps({"name": spec.name, "lr": spec.lr, "weight_decay": spec.weight_decay})
+    return {
+        "plain": probe(folder, "ddp", 1, "train.batch_per_gpu=16", f"train.optimizer={optimizer}"),
+        "tp1": probe(folder, "megatron", 2, "megatron.tp=1"),
+        "tp2": probe(folder, "megatron", 2, "megatron.tp=2"),
+        "tp4": probe(folder, "megatron", 4, "megatron.tp=4", "model.dropout=0.1"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["tp1", "tp2"])
+def test_same_logits_and_losses_as_plain_gpt2(same_weights, run):
+    plain, megatron = same_weights["plain"], same_weights[run]
+    assert len(megatron["losses"]) == STEPS
+    gaps = [abs(a - b) for a, b in zip(megatron["losses"], plain["losses"])]
+    print(f"{run}: max loss gap {max(gaps):.2e}, max logit gap {(megatron['after'] - plain['after']).abs().max():.2e}")
+    assert megatron["losses"] == pytest.approx(plain["losses"], abs=TOLERANCE, rel=0)
+    for moment in ("before", "after"):
+        assert megatron[moment].shape == plain[moment].shape == (4, 64, 256)
+        assert (megatron[moment] - plain[moment]).abs().max() < TOLERANCE
+    assert (plain["after"] - plain["before"]).abs().max() > 100 * TOLERANCE  # training moved the logits
+
+
+@pytest.mark.slow
+def test_tp_peers_keep_replicated_weights_equal_under_dropout(same_weights):
+    """Dropout on replicated activations must draw the same mask on every tp peer, or the replicas drift."""
+    states = same_weights["tp4"]["states"]
+    replicated = [k for k in states[0] if "ln_" in k or "wpe" in k or k.endswith("c_proj.bias")]
+    sharded = [k for k in states[0] if k.endswith("c_fc.weight")]
+    assert len(replicated) == 4 * 6 + 3 and len(sharded) == 4
+    for key in replicated:
+        assert all(torch.equal(state[key], states[0][key]) for state in states[1:]), key
+    for key in sharded:
+        assert not torch.equal(states[0][key], states[1][key])
+
+
+@pytest.mark.slow
+def test_tp2_matches_tp1(same_weights):
+    assert same_weights["tp2"]["losses"] == pytest.approx(same_weights["tp1"]["losses"], abs=TOLERANCE, rel=0)
+    assert (same_weights["tp2"]["after"] - same_weights["tp1"]["after"]).abs().max() < TOLERANCE
+
+
+# -- runs through the CLI, recorded in MLflow ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CliRun:
+    result: Result
+    events: list[dict]
+    client: object
+    mlflow: object  # the one MLflow run of its scratch folder
+
+    def history(self, key: str) -> list[float]:
+        return [m.value for m in self.client.get_metric_history(self.mlflow.info.run_id, key)]
+
+    def losses(self) -> list[float]:
+        return [e["loss"] for e in self.events if e["event"] == "step"]
+
+    def ranks(self) -> list[dict]:
+        return next(e["ranks"] for e in self.events if e["event"] == "epoch")
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory) -> dict[str, CliRun]:
+    """tp=2 (the issue's command) and tp=2 x dp=2 (global batch 16, as tp=2's); STEPS steps each."""
+    command = ("run", "gpt2", "--framework", "megatron", "--scale", "smoke", "--max-steps", str(STEPS))
+    runs = {}
+    for name, gpus, extra in (
+        ("tp2", 2, ["--set", "megatron.tp=2"]),
+        ("hybrid", 4, ["--set", "megatron.tp=2", "--set", "train.batch_per_gpu=4"]),
+    ):
+        repro = Repro(tmp_path_factory.mktemp(f"megatron-{name}"))
+        result = repro(*command, "--gpus", str(gpus), *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        client = tracking.client(repro.tracking_uri)
+        (mlflow,) = client.search_runs([client.get_experiment_by_name("repro").experiment_id])
+        runs[name] = CliRun(result, result.events(), client, mlflow)
+    return runs
+
+
+@pytest.mark.slow
+def test_issue_command_finishes(cli_runs):
+    run = cli_runs["tp2"]
+    assert run.result.returncode == 0 and run.mlflow.info.status == "FINISHED"
+    assert len(run.losses()) == STEPS
+
+
+@pytest.mark.slow
+def test_hybrid_trains_and_lands_in_mlflow(cli_runs):
+    hybrid = cli_runs["hybrid"]
+    run = hybrid.mlflow
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["repro.framework"] == "megatron" and run.data.params["megatron.tp"] == "2"
+    history = hybrid.history("train/loss")
+    assert history == pytest.approx(hybrid.losses()) and len(history) == STEPS
+    assert history[-1] < history[0]
+    # dp=2 with 4 samples a rank sees the same global batch of 16 as tp=2 alone: same losses.
+    assert history == pytest.approx(cli_runs["tp2"].losses(), abs=TOLERANCE, rel=0)
+    assert {f"memory/rank{r}/model_state_bytes" for r in range(4)} <= set(run.data.metrics)
+
+
+@pytest.mark.slow
+def test_parameter_share_per_rank_falls_as_tp_grows(cli_runs, same_weights):
+    plain_bytes = sum(p.numel() * 4 for p in build_gpt2(smoke().model).parameters())
+    parameters = {tp: same_weights[f"tp{tp}"]["ranks"] for tp in (1, 2, 4)}
+    for run in cli_runs.values():
+        logged = run.mlflow.data.metrics
+        for rank in run.ranks():
+            held = rank["parameters"] + rank["gradients"] + rank["optimizer"]
+            assert logged[f"memory/rank{rank['rank']}/model_state_bytes"] == held
+    share = {tp: {r["parameters"] for r in ranks} for tp, ranks in parameters.items()}
+    assert all(len(values) == 1 for values in share.values())  # every rank of a run holds as much
+    share = {tp: values.pop() for tp, values in share.items()}
+    print(f"parameter bytes per rank by tp: {share} (plain GPT-2: {plain_bytes})")
+    assert share[1] == plain_bytes
+    assert share[1] > share[2] > share[4] > plain_bytes / 4  # layer norms and biases stay replicated
