@@ -125,10 +125,14 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         sampler = EvenShard(len(self.val_set), self.adapter.data_shard(), self.recipe.train.batch_per_gpu)
         totals = torch.zeros(3, dtype=torch.float64)
-        for inputs, targets in self.loader(self.val_set, sampler):
-            sums = self.adapter.eval_step(inputs, targets)
-            if sums is not None:
-                totals += sums.detach().cpu().double()
+        self.adapter.set_training(False)
+        try:
+            for inputs, targets in self.loader(self.val_set, sampler):
+                sums = self.adapter.eval_step(inputs, targets)
+                if sums is not None:
+                    totals += sums.detach().cpu().double()
+        finally:
+            self.adapter.set_training(True)
         totals = self.adapter.reduce_metric_sums(totals.to(self.device)).cpu()
         return self.ctx.workload.finish_metric(totals) if self.reporting else {}
 

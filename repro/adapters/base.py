@@ -97,6 +97,10 @@ class Adapter:
         """The process group over which data shards are spread (None: the whole world)."""
         return None
 
+    def set_training(self, mode: bool) -> None:
+        """Switch dropout (and any such layer) between training and evaluation behaviour."""
+        self.model.train(mode)
+
     def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """Evaluation forward pass; None on ranks that produce no output."""
         return self.model(inputs)
