@@ -18,7 +18,7 @@ MLFLOW_PORT ?= 5000
 MLFLOW_STORE ?= sqlite:///mlflow.db
 
 .PHONY: help setup install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
-	image sif compose-up bench
+	image sif compose-up bench gpu-check
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -73,6 +73,9 @@ compose-up:  ## start PostgreSQL, the MLflow server (http://127.0.0.1:$(MLFLOW_P
 
 clean:  ## remove runs, reports and the local MLflow store
 	rm -rf runs reports mlflow.db mlruns
+
+gpu-check:  ## on a GPU machine: every framework at the paper's sizes, a few dozen steps -> reports/gpu_check.json
+	$(PYTHON) bench/gpu_check.py
 
 bench: data  ## measure the kit's own costs (harness overhead, verify speed, smoke matrix time) -> reports/bench.json
 	$(PYTHON) bench/run.py

@@ -5,16 +5,14 @@ reports no MFU rather than guessing.
 """
 from __future__ import annotations
 
-# name fragment -> (FP64 TFLOP/s, FP16/BF16 tensor-core TFLOP/s); the first match wins, so more
+# name fragment -> (FP64, FP32, FP16/BF16 tensor-core) TFLOP/s; the first match wins, so more
 # specific fragments come first.
-PEAK_TFLOPS: list[tuple[str, float, float]] = [
-    ("H200", 34.0, 989.0),
-    ("H100 PCIe", 26.0, 756.0),
-    ("H100", 34.0, 989.0),
-    ("A100", 9.7, 312.0),
-    ("V100", 7.8, 125.0),
-    ("A10G", 0.98, 125.0),
-    ("L4", 0.49, 121.0),
+PEAK_TFLOPS: list[tuple[str, float, float, float]] = [
+    ("H200", 34.0, 67.0, 989.0),
+    ("H100 PCIe", 26.0, 51.0, 756.0),
+    ("H100", 34.0, 67.0, 989.0),
+    ("A100", 9.7, 19.5, 312.0),
+    ("V100", 7.8, 15.7, 125.0),
 ]
 
 # The paper's Table 2, as published.
@@ -26,12 +24,20 @@ PAPER_PLATFORMS = [
 ]
 
 
-def peak(device_name: str) -> tuple[float, float] | None:
-    """(FP64, 16-bit tensor) peak TFLOP/s of `device_name`, or None for a device not in the table."""
-    for fragment, fp64, tensor16 in PEAK_TFLOPS:
+def peak(device_name: str) -> tuple[float, float, float] | None:
+    """(FP64, FP32, 16-bit tensor) peak TFLOP/s of `device_name`, or None for a device not in the table."""
+    for fragment, *rates in PEAK_TFLOPS:
         if fragment in device_name:
-            return fp64, tensor16
+            return tuple(rates)
     return None
+
+
+def mfu(device_name: str, precision: str, flops_per_s: float) -> float | None:
+    """Model FLOPs utilisation against the device's peak for `precision`; None for an unknown device."""
+    rates = peak(device_name)
+    if rates is None:
+        return None
+    return flops_per_s / (1e12 * (rates[1] if precision == "fp32" else rates[2]))
 
 
 def cpu_model() -> str:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from repro import events, registry, seeding
 from repro.adapters.base import Adapter, RunContext
-from repro.metrics import Timer, peak_memory_bytes
+from repro.metrics import Timer, device_name, device_used_bytes, peak_memory_bytes
 from repro.recipe import Recipe, resolve
 
 RUN_FILE = "run.json"
@@ -139,7 +139,8 @@ class Trainer:
     def memory(self) -> dict[str, object]:
         """Peak and model-state bytes of every rank, gathered to all ranks."""
         peak, method = peak_memory_bytes(self.device)
-        mine = {"rank": self.ctx.rank, "peak_bytes": peak, "method": method, **self.adapter.model_state_bytes()}
+        mine = {"rank": self.ctx.rank, "peak_bytes": peak, "method": method,
+                "device_used_bytes": device_used_bytes(self.device), **self.adapter.model_state_bytes()}
         ranks = [mine]
         if dist.is_initialized() and self.ctx.world > 1:
             ranks = [None] * self.ctx.world
@@ -156,6 +157,7 @@ class Trainer:
             )
         self.emit(
             events.START, seeds=self.ctx.seeds, world=self.ctx.world, device=str(self.device),
+            device_name=device_name(self.device),
             global_batch=self.global_batch, steps_per_epoch=steps_per_epoch, epochs=recipe.train.epochs,
             max_steps=recipe.train.max_steps, train_samples=len(self.train_set), val_samples=len(self.val_set),
         )

@@ -39,6 +39,23 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return rss * (1 if sys.platform == "darwin" else 1024), "cpu_peak_rss"
 
 
+def device_name(device: torch.device) -> str:
+    """The name peak-FLOP tables are keyed by: the GPU's, or the CPU model's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from repro.hardware import cpu_model
+
+    return cpu_model()
+
+
+def device_used_bytes(device: torch.device) -> int | None:
+    """Device-wide memory in use (all processes, caches included) on CUDA; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of distinct storages among `tensors` (shared and tied tensors count once)."""
     seen, total = set(), 0

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 MANIFESTS = Path(__file__).parent / "manifests"
 LOCAL_MANIFEST = "MANIFEST.sha256"
+SYNTHETIC = "synthetic"
 
 
 class DataError(RuntimeError):
@@ -126,6 +127,7 @@ class Dataset:
     description: str
     prepare_hint: str
     make: Callable[[Path], None] | None = None  # writes the data into a folder
+    synthetic: bool = False  # generated in memory by the workload: nothing on disk to verify
 
     def shipped_manifest(self) -> Path | None:
         path = MANIFESTS / f"{self.name}.sha256"
@@ -133,6 +135,8 @@ class Dataset:
 
     def locate(self) -> Path:
         """The folder holding this dataset: the data root first, then staged copies."""
+        if self.synthetic:
+            return data_root()
         for base in [data_root(), *staged_roots()]:
             if (base / self.name).is_dir():
                 return base / self.name
@@ -149,6 +153,8 @@ class Dataset:
 
     def verify(self, deep: bool = False) -> tuple[Path, str]:
         """(folder, dataset SHA-256) once every file matches; DataError naming the file otherwise."""
+        if self.synthetic:
+            return self.locate(), SYNTHETIC
         root = self.locate()
         entries = self.manifest(root)
         verify_tree(root, entries, deep=deep)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from repro.data import LOCAL_MANIFEST, DataError, Dataset, hash_tree, write_manifest
+from repro.data import LOCAL_MANIFEST, SYNTHETIC, DataError, Dataset, hash_tree, write_manifest
 
 DIGITS_SIZE = 32
 DIGITS_VAL_EVERY = 5  # every 5th image of each class is validation: a fixed, stratified 80/20 split
@@ -84,6 +84,10 @@ DATASETS: dict[str, Dataset] = {
         Dataset(
             "imagenet", "ILSVRC2012, user-provided archives", "place the ILSVRC2012 archives in "
             "$REPRO_DATA/imagenet, then: repro data prepare imagenet", make_imagenet,
+        ),
+        Dataset(
+            SYNTHETIC, "random samples of the workload's shapes, for throughput checks (nothing learns)",
+            "nothing to prepare", synthetic=True,
         ),
     )
 }

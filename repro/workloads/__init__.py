@@ -28,6 +28,19 @@ class Workload:
         raise NotImplementedError
 
     def datasets(self) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+        """(train, validation): the real data, or random samples of the same shapes for `synthetic`."""
+        from repro.data import SYNTHETIC
+
+        if self.data.dataset == SYNTHETIC:
+            generator = torch.Generator().manual_seed(0)
+            return (self.random_samples(synthetic_size(self.data.max_train_samples, 512), generator),
+                    self.random_samples(synthetic_size(self.data.max_val_samples, 64), generator))
+        return self.real_datasets()
+
+    def real_datasets(self) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+        raise NotImplementedError
+
+    def random_samples(self, count: int, generator: torch.Generator) -> torch.utils.data.Dataset:
         raise NotImplementedError
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -51,6 +64,10 @@ class Workload:
     def flops_per_sample(self) -> float:
         """Training FLOPs (forward and backward) of one sample."""
         raise NotImplementedError
+
+
+def synthetic_size(count: int | None, default: int) -> int:
+    return count if count is not None else default
 
 
 def limit(dataset: torch.utils.data.Dataset, count: int | None) -> torch.utils.data.Dataset:

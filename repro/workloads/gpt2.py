@@ -149,7 +149,11 @@ class GPT2Workload(Workload):
     def build_model(self) -> nn.Sequential:
         return build_gpt2(self.spec)
 
-    def datasets(self) -> tuple[TokenChunks, TokenChunks]:
+    def random_samples(self, count: int, generator: torch.Generator) -> TokenChunks:
+        ids = torch.randint(self.spec.vocab_size, (count * self.spec.seq_len + 1,), generator=generator)
+        return TokenChunks(ids, self.spec.seq_len)
+
+    def real_datasets(self) -> tuple[TokenChunks, TokenChunks]:
         train_file, val_file = SPLIT_FILES[self.data.dataset]
         train = TokenChunks(tokenize(self.data_dir / train_file, self.spec.tokenizer), self.spec.seq_len)
         val = TokenChunks(tokenize(self.data_dir / val_file, self.spec.tokenizer), self.spec.seq_len)

@@ -19,7 +19,7 @@ NORMALIZE = {
     "imagenet": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
     "digits": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
 }
-NUM_CLASSES = {"imagenet": 1000, "digits": 10}
+NUM_CLASSES = {"imagenet": 1000, "digits": 10, "synthetic": 1000}
 
 
 @dataclass
@@ -96,7 +96,12 @@ class VGG16Workload(Workload):
             steps = [transforms.Resize(size * 8 // 7), transforms.CenterCrop(size)]
         return transforms.Compose([*steps, transforms.ToTensor(), normalize])
 
-    def datasets(self) -> tuple[datasets.ImageFolder, datasets.ImageFolder]:
+    def random_samples(self, count: int, generator: torch.Generator) -> torch.utils.data.TensorDataset:
+        size = self.spec.image_size
+        images = torch.randn(count, 3, size, size, generator=generator)
+        return torch.utils.data.TensorDataset(images, torch.randint(self.num_classes, (count,), generator=generator))
+
+    def real_datasets(self) -> tuple[datasets.ImageFolder, datasets.ImageFolder]:
         train = datasets.ImageFolder(str(self.data_dir / "train"), self._transforms(True))
         val = datasets.ImageFolder(str(self.data_dir / "val"), self._transforms(False))
         return limit(train, self.data.max_train_samples), limit(val, self.data.max_val_samples)

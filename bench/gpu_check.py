@@ -1,0 +1,117 @@
+"""`make gpu-check`: each framework that runs on one GPU, at the paper's model sizes, for a few dozen
+measured steps; one JSON report with throughput, MFU, peak memory (allocator and device-wide) and
+any error. Synthetic samples of the paper's shapes stand in for ImageNet and WikiText-103 (a GPU
+machine may have neither), which changes nothing in a step's arithmetic cost.
+
+    python bench/gpu_check.py                      # on a GPU machine: reports/gpu_check.json
+    python bench/gpu_check.py --scale smoke --only gpt2:ddp --steps 4   # the CPU dry run of the plumbing
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from repro.registry import Unavailable
+from repro.schema import RecipeError
+
+ROOT = Path(__file__).resolve().parent.parent
+CELLS = [(w, f) for w in ("gpt2", "vgg16") for f in ("ddp", "zero", "megatron", "fsdp", "torchgpipe", "pipedream")
+         if (w, f) != ("vgg16", "megatron")]
+WARMUP = 5
+
+
+def build_fused_ops() -> dict[str, Any]:
+    """DeepSpeed's fused Adam: prebuilt in the image, else JIT-built here (and timed)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"status": "skipped: no CUDA device"}
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder import FusedAdamBuilder
+
+        if installed_ops.get("fused_adam"):
+            return {"status": "prebuilt"}
+        start = time.perf_counter()
+        FusedAdamBuilder().load()
+        return {"status": "built", "seconds": time.perf_counter() - start}
+    except Exception as error:  # the report records any failure instead of stopping the check
+        return {"status": "failed", "error": f"{type(error).__name__}: {error}"}
+
+
+def measure(workload: str, framework: str, scale: str, steps: int, scratch: Path) -> dict[str, Any]:
+    from repro.hardware import mfu
+    from repro.recipe import load_file, recipe_path
+    from repro.registry import adapter_class, workload_class
+
+    overrides = ["data.dataset=synthetic", "data.max_val_samples=8", "train.log_every=1"]
+    recipe = load_file(recipe_path(workload, scale), [f"run.framework={framework}", *overrides])
+    samples = adapter_class(framework).global_batch(recipe) * (steps + 1)
+    command = [sys.executable, "-m", "repro.cli", "run", workload, "--framework", framework, "--gpus", "1",
+               "--scale", scale, "--epochs", "1", "--max-steps", str(steps), "--experiment", "gpu-check",
+               "--tracking-uri", f"sqlite:///{scratch}/mlflow.db", "--set", f"data.max_train_samples={samples}"]
+    for text in overrides:
+        command += ["--set", text]
+    started = time.perf_counter()
+    out = subprocess.run(command, cwd=scratch, capture_output=True, text=True)
+    result: dict[str, Any] = {"workload": workload, "framework": framework, "wall_s": time.perf_counter() - started}
+    if out.returncode:
+        return {**result, "error": (out.stdout + out.stderr)[-3000:]}
+    run_dir = Path(out.stderr.rsplit("files in ", 1)[1].split()[0])
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    start = next(e for e in events if e["event"] == "start")
+    walls = [e["wall"] for e in events if e["event"] == "step"]
+    step_s = statistics.median([b - a for a, b in zip(walls, walls[1:])][WARMUP:] or [float("nan")])
+    per_s = start["global_batch"] / step_s
+    epoch = next(e for e in events if e["event"] == "epoch")
+    spec = workload_class(workload)(recipe.model, recipe.data, None)
+    device = start["device_name"]
+    return {
+        **result, "device": device, "precision": recipe.train.precision, "step_s": step_s,
+        "samples_per_s": per_s, "tokens_per_s": per_s * recipe.model.seq_len if workload == "gpt2" else None,
+        "mfu": mfu(device, recipe.train.precision, spec.flops_per_sample() * per_s),
+        "peak_allocated_bytes": max(r["peak_bytes"] for r in epoch["ranks"]),
+        "device_used_bytes": max((r.get("device_used_bytes") or 0) for r in epoch["ranks"]) or None,
+        "memory_method": epoch["ranks"][0]["method"],
+    }
+
+
+def summary(cell: dict[str, Any]) -> str:
+    if "error" in cell:
+        return "error: " + cell["error"].strip().splitlines()[-1]
+    utilisation = "n/a (device not in the peak table)" if cell["mfu"] is None else f"{cell['mfu']:.1%}"
+    return (f"{cell['samples_per_s']:.1f} samples/s, MFU {utilisation}, "
+            f"peak {cell['peak_allocated_bytes'] / 2**30:.2f} GiB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", default="paper", choices=["paper", "smoke"])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--only", help="comma-separated workload:framework cells (default: all)")
+    parser.add_argument("--out", type=Path, default=ROOT / "reports" / "gpu_check.json")
+    args = parser.parse_args()
+    cells = [tuple(c.split(":")) for c in args.only.split(",")] if args.only else CELLS
+    report: dict[str, Any] = {"scale": args.scale, "steps": args.steps, "fused_ops": build_fused_ops(), "cells": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload, framework in cells:
+            try:
+                cell = measure(workload, framework, args.scale, args.steps, Path(tmp))
+            except (RecipeError, Unavailable) as error:  # not applicable or not installed: say so, go on
+                cell = {"workload": workload, "framework": framework, "wall_s": 0.0, "error": str(error)}
+            report["cells"].append(cell)
+            print(f"{workload:<6} {framework:<11} {cell['wall_s']:6.1f}s  {summary(cell)}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"report: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
