@@ -24,6 +24,7 @@ from repro.recipe import load_file, recipe_path
 
 TINY_GPT2 = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.seq_len=16", "train.batch_per_gpu=2"]
 STEPS = 5
+ADAM = "train.optimizer={name: adam, lr: 0.02}"  # learns the counting sequences within STEPS
 TOLERANCE = 1e-5
 
 
@@ -52,8 +53,9 @@ def build(recipe, rank: int = 0, world: int = 1):
 
 
 def token_batches(batch: int, count: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Counting sequences from four starts: learnable (next = current + 1) in a few steps."""
     generator = torch.Generator().manual_seed(7)
-    windows = torch.randint(0, 256, (count, batch, 17), generator=generator)
+    windows = (torch.randint(0, 4, (count, batch, 1), generator=generator) + torch.arange(17)) % 256
     return [(w[:, :-1], w[:, 1:]) for w in windows]
 
 
@@ -98,7 +100,7 @@ def test_untie_copies_a_parameter_shared_across_groups_only():
 @pytest.mark.parametrize("balance", [[2, 2], [1, 1, 1, 1]])
 def test_gpipe_equals_plain_training(balance, checkpoint):
     recipe = tiny_recipe(
-        "torchgpipe", len(balance), f"torchgpipe.balance={balance}", f"torchgpipe.checkpoint={checkpoint}"
+        "torchgpipe", len(balance), ADAM, f"torchgpipe.balance={balance}", f"torchgpipe.checkpoint={checkpoint}"
     )
     adapter, _ = build(recipe)
     global_batch = type(adapter).global_batch(recipe)
@@ -124,3 +126,97 @@ def test_gpipe_vgg16_smoke_runs_on_cpu(repro):
     assert start["global_batch"] == 16 * 4 * 4 and start["world"] == 1
     assert sum(start["adapter"]["balance"]) == 40 and len(start["adapter"]["balance"]) == 4
     assert len(result.losses()) == 2
+
+
+# -- PipeDream -----------------------------------------------------------------------------------
+
+PLAIN_SGD = "train.optimizer={name: sgd, lr: 0.5, momentum: 0.0, weight_decay: 0.0}"
+
+
+def test_pipedream_one_stage_equals_plain_sgd():
+    recipe = tiny_recipe("pipedream", 1, PLAIN_SGD, "pipedream.balance=[4]")
+    adapter, _ = build(recipe)
+    batches = token_batches(type(adapter).global_batch(recipe))
+    losses = [adapter.train_step(inputs, targets) for inputs, targets in batches]
+    adapter.end_epoch()
+    assert adapter.facts()["untied"] == []
+    assert losses == pytest.approx(plain_losses(recipe, batches), abs=TOLERANCE)
+    assert losses[-1] < losses[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stage_worker(rank: int, world: int, port: int, overrides: list[str], out: Path) -> None:
+    """One stage: train STEPS mini-batches and drain, then save its losses, trace and weights."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        recipe = tiny_recipe("pipedream", world, *overrides)
+        adapter, _ = build(recipe, rank, world)
+        losses = [adapter.train_step(i, t) for i, t in token_batches(recipe.train.batch_per_gpu)]
+        adapter.end_epoch()
+        torch.save({"losses": losses, "trace": list(adapter.trace), "weights": adapter.live}, out / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_stages(tmp_path: Path, balance: list[int], vertical_sync: bool) -> list[dict]:
+    overrides = [PLAIN_SGD, f"pipedream.balance={balance}", f"pipedream.vertical_sync={vertical_sync}"]
+    world = len(balance)
+    mp.start_processes(stage_worker, (world, free_port(), overrides, tmp_path), nprocs=world, start_method="fork")
+    return [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
+
+
+def reference_pipedream(balance: list[int], vertical_sync: bool) -> tuple[list[float], list[dict]]:
+    """PipeDream's arithmetic stated directly: mini-batch k runs stage s on that stage's weights after
+    version(k, s) of its own updates, and stage s applies the gradient of mini-batch k as its (k+1)-th
+    update (plain SGD). Returns the losses and each stage's final weights."""
+    recipe = tiny_recipe("pipedream", len(balance), PLAIN_SGD, f"pipedream.balance={balance}")
+    workload = registry.workload_class(recipe.workload)(recipe.model, recipe.data, None)
+    seeding.seed_everything(seeding.seed_table(recipe.seed, 0)["model_init"])
+    model = workload.build_model()
+    groups = pipeline.group_of_layers(balance)
+    pipeline.untie(model, groups)
+    stages = len(balance)
+    history = [[{n: p.detach().clone() for n, p in model.named_parameters() if groups[int(n.split(".")[0])] == s}]
+               for s in range(stages)]
+    losses = []
+    for k, (inputs, targets) in enumerate(token_batches(recipe.train.batch_per_gpu)):
+        lag = [stages - 1 if vertical_sync else stages - 1 - s for s in range(stages)]
+        used = {n: w.clone().requires_grad_() for s in range(stages) for n, w in history[s][max(0, k - lag[s])].items()}
+        loss = workload.loss(functional_call(model, used, (inputs,)), targets)
+        grads = dict(zip(used, torch.autograd.grad(loss, list(used.values()))))
+        for s in range(stages):
+            history[s].append({n: w - recipe.train.optimizer.lr * grads[n] for n, w in history[s][-1].items()})
+        losses.append(loss.item())
+    return losses, [h[-1] for h in history]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balance", [[2, 2], [1, 1, 1, 1]])
+@pytest.mark.parametrize("vertical_sync", [False, True])
+def test_pipedream_stages_match_stashed_stale_arithmetic(tmp_path, balance, vertical_sync):
+    stages = run_stages(tmp_path, balance, vertical_sync)
+    count = len(balance)
+    forwards = [{e["minibatch"]: e["version"] for e in s["trace"] if e["phase"] == "forward"} for s in stages]
+    for s, stage in enumerate(stages):
+        lag = count - 1 if vertical_sync else count - 1 - s
+        for k in range(count - 1, STEPS):  # steady state
+            # staleness: stage s runs S-1-s updates behind the last stage; vertical sync: one version
+            assert forwards[-1][k] - forwards[s][k] == (0 if vertical_sync else lag)
+        for event in (e for e in stage["trace"] if e["phase"] == "backward"):
+            assert event["version"] == forwards[s][event["minibatch"]]  # backward on its forward's version
+            if event["minibatch"] >= count - 1:  # ...while the live weights had moved on
+                assert event["live"] - event["version"] == lag
+    assert all(loss is None for stage in stages[:-1] for loss in stage["losses"])
+    expected_losses, expected_weights = reference_pipedream(balance, vertical_sync)
+    assert stages[-1]["losses"] == pytest.approx(expected_losses, abs=TOLERANCE)
+    for stage, expected in zip(stages, expected_weights):  # a stage keeps the whole model's layer names
+        assert stage["weights"].keys() == expected.keys()
+        for name, weight in expected.items():
+            torch.testing.assert_close(stage["weights"][name].detach(), weight, atol=TOLERANCE, rtol=0)
