@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.func import functional_call
 
-from repro import registry, seeding
+from repro import events, registry, seeding, tracking
 from repro.adapters import pipeline
 from repro.adapters.base import RunContext
 from repro.optim import make_optimizer
@@ -220,3 +220,20 @@ def test_pipedream_stages_match_stashed_stale_arithmetic(tmp_path, balance, vert
         assert stage["weights"].keys() == expected.keys()
         for name, weight in expected.items():
             torch.testing.assert_close(stage["weights"][name].detach(), weight, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.slow
+def test_pipedream_gpt2_smoke_runs_on_cpu_and_reports_the_last_stage(repro):
+    result = repro("run", "gpt2", "--framework", "pipedream", "--gpus", "4", "--scale", "smoke", "--max-steps", "6")
+    assert result.returncode == 0, result.stderr[-2000:]
+    start, *_, epoch, end = result.events()
+    assert start["world"] == 4 and start["global_batch"] == 8
+    assert start["adapter"]["stages"] == 4 and sum(start["adapter"]["balance"]) == 6
+    assert start["adapter"]["untied"] == ["5.weight <- 0.wte.weight"]
+    assert len(epoch["ranks"]) == 4 and epoch["val"]["val/perplexity"] < 256
+    losses = result.losses()
+    assert len(losses) == 6 and None not in losses
+    mlflow = tracking.client(repro.tracking_uri)
+    run = mlflow.search_runs([tracking.experiment_id(mlflow, tracking.DEFAULT_EXPERIMENT)])[0]
+    logged = [m.value for m in sorted(mlflow.get_metric_history(run.info.run_id, events.TRAIN_LOSS), key=lambda m: m.step)]
+    assert logged == pytest.approx(losses)

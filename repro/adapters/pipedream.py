@@ -100,7 +100,8 @@ class PipeDreamAdapter(Adapter):
         start = sum(self.balance[: self.stage])
         self.model = model[start : start + self.balance[self.stage]].to(self.ctx.device)
         self.live = dict(self.model.named_parameters())
-        self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.live.values())
+        # a stage of parameter-free layers (a pooling layer, say) can come out of a time balance
+        self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.live.values()) if self.live else None
         self.version = 0  # updates this stage has applied
         self.versions = {0: self.snapshot()}
         self.in_flight: deque[InFlight] = deque()
@@ -221,15 +222,16 @@ class PipeDreamAdapter(Adapter):
             grad_output = torch.empty_like(entry.output)
             dist.recv(grad_output, self.stage + 1)
         wrt = [*entry.params.values(), *([] if self.first else [entry.inputs])]
-        grads = torch.autograd.grad(entry.output, wrt, grad_output)
+        grads = torch.autograd.grad(entry.output, wrt, grad_output) if wrt else ()
         if not self.first:
             self.isend(grads[-1], self.stage - 1)
         self.trace.append({"minibatch": entry.minibatch, "phase": "backward", "version": entry.version, "live": self.version})
-        for param, grad in zip(self.live.values(), grads):
-            param.grad = grad
-        self.clip_gradients(self.live.values())
-        self.optimizer.step()
-        self.version += 1
+        if self.optimizer:
+            for param, grad in zip(self.live.values(), grads):
+                param.grad = grad
+            self.clip_gradients(self.live.values())
+            self.optimizer.step()
+        self.version += 1  # counted on parameter-free stages too, so version tags agree across stages
         self.versions[self.version] = self.snapshot()
 
     # -- evaluation: activations pass through the stages on the live weights ------------------------
@@ -243,4 +245,8 @@ class PipeDreamAdapter(Adapter):
         return None
 
     def teardown(self) -> None:
+        """Complete every message, then wait for all stages, so no stage closes its connections while
+        a peer still talks to it (measured: gloo then aborted a stage at exit now and then)."""
         self.flush_sends()
+        if dist.is_initialized():
+            dist.barrier()
