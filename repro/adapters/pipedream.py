@@ -78,11 +78,11 @@ class PipeDreamAdapter(Adapter):
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
         options = recipe.options("pipedream")
-        if recipe.train.precision != "fp32":
-            raise RecipeError(source, "train.precision", f"pipedream runs fp32 as in the paper; got {recipe.train.precision}")
+        pipeline.require_fp32(recipe, source, "pipedream")
         if options.balance is not None and len(options.balance) != recipe.run.gpus:
             raise RecipeError(
-                source, "pipedream.balance", f"needs one entry per stage (GPU): {len(options.balance)} entries for {recipe.run.gpus} GPUs"
+                source, "pipedream.balance",
+                f"needs one entry per stage (GPU): {len(options.balance)} entries for {recipe.run.gpus} GPUs",
             )
 
     @classmethod
@@ -225,7 +225,9 @@ class PipeDreamAdapter(Adapter):
         grads = torch.autograd.grad(entry.output, wrt, grad_output) if wrt else ()
         if not self.first:
             self.isend(grads[-1], self.stage - 1)
-        self.trace.append({"minibatch": entry.minibatch, "phase": "backward", "version": entry.version, "live": self.version})
+        self.trace.append(
+            {"minibatch": entry.minibatch, "phase": "backward", "version": entry.version, "live": self.version}
+        )
         if self.optimizer:
             for param, grad in zip(self.live.values(), grads):
                 param.grad = grad

@@ -43,8 +43,7 @@ class GPipeAdapter(Adapter):
         options, run = recipe.options("torchgpipe"), recipe.run
         if run.nodes > 1:
             raise RecipeError(source, "run.nodes", f"torchgpipe drives the GPUs of one node only; got --nodes {run.nodes}")
-        if recipe.train.precision != "fp32":
-            raise RecipeError(source, "train.precision", f"torchgpipe runs fp32 as in the paper; got {recipe.train.precision}")
+        pipeline.require_fp32(recipe, source, "torchgpipe")
         if options.chunks_per_gpu < 1:
             raise RecipeError(source, "torchgpipe.chunks_per_gpu", f"must be at least 1, got {options.chunks_per_gpu}")
         if options.balance is not None and len(options.balance) != run.gpus:
