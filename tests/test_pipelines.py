@@ -133,6 +133,7 @@ def test_gpipe_vgg16_smoke_runs_on_cpu(repro):
 
 # -- PipeDream -----------------------------------------------------------------------------------
 
+VALIDATION = token_batches(3, count=2)  # a batch size the training never used
 PLAIN_SGD = "train.optimizer={name: sgd, lr: 0.5, momentum: 0.0, weight_decay: 0.0}"
 
 
@@ -154,7 +155,7 @@ def free_port() -> int:
 
 
 def stage_worker(rank: int, world: int, port: int, overrides: list[str], out: Path) -> None:
-    """One stage: train STEPS mini-batches and drain, then save its losses, trace and weights."""
+    """One stage: train STEPS mini-batches, drain and validate, then save what it saw."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -163,7 +164,13 @@ def stage_worker(rank: int, world: int, port: int, overrides: list[str], out: Pa
         adapter, _ = build(recipe, rank, world)
         losses = [adapter.train_step(i, t) for i, t in token_batches(recipe.train.batch_per_gpu)]
         adapter.end_epoch()
-        torch.save({"losses": losses, "trace": list(adapter.trace), "weights": adapter.live}, out / f"{rank}.pt")
+        sums = torch.zeros(3, dtype=torch.float64)  # as the loop validates: stages without output add zeros
+        for inputs, targets in VALIDATION:
+            stage_sums = adapter.eval_step(inputs, targets)
+            sums += 0 if stage_sums is None else stage_sums.double()
+        sums = adapter.reduce_metric_sums(sums)
+        saved = {"losses": losses, "trace": list(adapter.trace), "weights": adapter.live, "val_sums": sums}
+        torch.save(saved, out / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -175,10 +182,10 @@ def run_stages(tmp_path: Path, balance: list[int], vertical_sync: bool) -> list[
     return [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
 
 
-def reference_pipedream(balance: list[int], vertical_sync: bool) -> tuple[list[float], list[dict]]:
+def reference_pipedream(balance: list[int], vertical_sync: bool) -> tuple[list[float], list[dict], torch.Tensor]:
     """PipeDream's arithmetic stated directly: mini-batch k runs stage s on that stage's weights after
     version(k, s) of its own updates, and stage s applies the gradient of mini-batch k as its (k+1)-th
-    update (plain SGD). Returns the losses and each stage's final weights."""
+    update (plain SGD). Returns the losses, each stage's final weights and their validation sums."""
     recipe = tiny_recipe("pipedream", len(balance), PLAIN_SGD, f"pipedream.balance={balance}")
     workload = registry.workload_class(recipe.workload)(recipe.model, recipe.data, None)
     seeding.seed_everything(seeding.seed_table(recipe.seed, 0)["model_init"])
@@ -197,7 +204,10 @@ def reference_pipedream(balance: list[int], vertical_sync: bool) -> tuple[list[f
         for s in range(stages):
             history[s].append({n: w - recipe.train.optimizer.lr * grads[n] for n, w in history[s][-1].items()})
         losses.append(loss.item())
-    return losses, [h[-1] for h in history]
+    final = {n: w for h in history for n, w in h[-1].items()}
+    with torch.no_grad():
+        sums = sum(workload.metric_sums(functional_call(model, final, (i,)), t).double() for i, t in VALIDATION)
+    return losses, [h[-1] for h in history], sums
 
 
 @pytest.mark.slow
@@ -217,12 +227,14 @@ def test_pipedream_stages_match_stashed_stale_arithmetic(tmp_path, balance, vert
             if event["minibatch"] >= count - 1:  # ...while the live weights had moved on
                 assert event["live"] - event["version"] == lag
     assert all(loss is None for stage in stages[:-1] for loss in stage["losses"])
-    expected_losses, expected_weights = reference_pipedream(balance, vertical_sync)
+    expected_losses, expected_weights, expected_sums = reference_pipedream(balance, vertical_sync)
     assert stages[-1]["losses"] == pytest.approx(expected_losses, abs=TOLERANCE)
     for stage, expected in zip(stages, expected_weights):  # a stage keeps the whole model's layer names
         assert stage["weights"].keys() == expected.keys()
         for name, weight in expected.items():
             torch.testing.assert_close(stage["weights"][name].detach(), weight, atol=TOLERANCE, rtol=0)
+    for stage in stages:  # validation passed activations through the stages; every rank holds the sums
+        torch.testing.assert_close(stage["val_sums"], expected_sums, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
