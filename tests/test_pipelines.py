@@ -6,6 +6,7 @@ tied head) with synthetic tokens; the slow tests run the real CLI on the smoke r
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
 from pathlib import Path
@@ -254,3 +255,4 @@ def test_pipedream_gpt2_smoke_runs_on_cpu_and_reports_the_last_stage(repro):
     run = mlflow.search_runs([tracking.experiment_id(mlflow, tracking.DEFAULT_EXPERIMENT)])[0]
     logged = [m.value for m in sorted(mlflow.get_metric_history(run.info.run_id, events.TRAIN_LOSS), key=lambda m: m.step)]
     assert logged == pytest.approx(losses)
+    assert json.loads(run.data.params["adapter.balance"]) == start["adapter"]["balance"]
