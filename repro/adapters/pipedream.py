@@ -111,13 +111,14 @@ class PipeDreamAdapter(Adapter):
 
     def measured_balance(self, model: nn.Sequential) -> list[int]:
         """Rank 0 times each layer on one mini-batch and balances; every rank uses its answer."""
+        if self.stages == 1:
+            return [len(model)]
         balance = [None]
         if self.ctx.rank == 0:
             sample = pipeline.sample_inputs(self.ctx.workload, self.ctx.recipe.train.batch_per_gpu)
             times = pipeline.layer_times(model.to(self.ctx.device), sample.to(self.ctx.device))
             balance = [pipeline.balance_costs(times, self.stages)]
-        if self.stages > 1:
-            dist.broadcast_object_list(balance, src=0)
+        dist.broadcast_object_list(balance, src=0)
         return balance[0]
 
     def facts(self) -> dict[str, Any]:
