@@ -123,11 +123,12 @@ def test_gpipe_refuses_several_nodes():
 @pytest.mark.slow
 def test_gpipe_vgg16_smoke_runs_on_cpu(repro):
     result = repro(
-        "run", "vgg16", "--framework", "torchgpipe", "--gpus", "4", "--scale", "smoke", "--max-steps", "2", *SMALL_VALIDATION
+        "run", "vgg16", "--framework", "torchgpipe", "--gpus", "4", "--scale", "smoke", "--max-steps", "2",
+        "--set", "train.batch_per_gpu=4", *SMALL_VALIDATION,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     start = result.events()[0]
-    assert start["global_batch"] == 16 * 4 * 4 and start["world"] == 1
+    assert start["global_batch"] == 4 * 4 * 4 and start["world"] == 1  # micro-batch x 4 x GPUs, one process
     assert sum(start["adapter"]["balance"]) == 40 and len(start["adapter"]["balance"]) == 4
     assert len(result.losses()) == 2
 
