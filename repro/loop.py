@@ -160,6 +160,7 @@ class Trainer:
             device_name=device_name(self.device),
             global_batch=self.global_batch, steps_per_epoch=steps_per_epoch, epochs=recipe.train.epochs,
             max_steps=recipe.train.max_steps, train_samples=len(self.train_set), val_samples=len(self.val_set),
+            adapter=self.adapter.facts(),
         )
         step, elapsed = 0, 0.0
         for epoch in range(recipe.train.epochs):
@@ -172,6 +173,7 @@ class Trainer:
                         self.emit(events.STEP, step=step, epoch=epoch, loss=loss)
                     if recipe.train.max_steps and step >= recipe.train.max_steps:
                         break
+                self.adapter.end_epoch()
             elapsed += timer.seconds
             samples = epoch_steps * self.global_batch
             metrics = self.validate()

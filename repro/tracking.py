@@ -73,7 +73,12 @@ class Run:
         )
 
     def log_events(self, new_events: list[dict[str, Any]]) -> None:
-        from mlflow.entities import Metric, RunTag
+        from mlflow.entities import Metric, Param, RunTag
+
+        facts = [Param(f"adapter.{k}", json.dumps(v)[:6000]) for e in new_events if e["event"] == events.START
+                 for k, v in e.get("adapter", {}).items()]
+        if facts:  # the adapter's setup decisions (a computed pipeline balance, say)
+            self.client.log_batch(self.run_id, params=facts)
 
         metrics = [Metric(k, float(v), int(e["wall"] * 1000), s) for e in new_events for k, v, s in event_metrics(e)]
         tags = [RunTag("repro.memory_method", r["method"]) for e in new_events if e["event"] == events.EPOCH for r in e["ranks"][:1]]

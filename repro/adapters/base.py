@@ -83,6 +83,13 @@ class Adapter:
         """One optimizer step on this rank's shard; returns the global mean loss on the reporting rank."""
         raise NotImplementedError
 
+    def end_epoch(self) -> None:
+        """Finish the epoch's outstanding training work (an asynchronous pipeline drains here)."""
+
+    def facts(self) -> dict[str, Any]:
+        """Decisions the adapter made at setup (a computed partition, say), recorded in the start event."""
+        return {}
+
     def data_shard(self) -> tuple[int, int]:
         """(index, count): this rank consumes shard `index` of `count` equal shards of each global batch."""
         return self.ctx.rank, self.ctx.world
