@@ -70,15 +70,17 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+def optimizer_tensors(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter] | None = None) -> list[torch.Tensor]:
+    """The optimizer's state tensors (of `params` only, when given)."""
+    states = optimizer.state.values() if params is None else (optimizer.state[p] for p in params if p in optimizer.state)
+    return [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 def model_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """Bytes a rank holds of parameters, gradients and optimizer state, counted from its tensors."""
+    """Bytes of parameters, gradients and optimizer state of `module`'s parameters, counted from tensors."""
     params = list(module.parameters())
     return {
         "parameters": tensor_bytes(params),
         "gradients": tensor_bytes(p.grad for p in params),
-        "optimizer": tensor_bytes(optimizer_tensors(optimizer)) if optimizer else 0,
+        "optimizer": tensor_bytes(optimizer_tensors(optimizer, params)) if optimizer else 0,
     }

@@ -22,6 +22,7 @@ from torch import nn
 
 from repro.adapters import pipeline
 from repro.adapters.base import Adapter
+from repro.metrics import model_state
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
@@ -105,6 +106,11 @@ class GPipeAdapter(Adapter):
             "checkpoint": self.options.checkpoint, "untied": self.tied_names,
             "inplace_made_out_of_place": self.out_of_place,
         }
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """The busiest device's share: one process drives every partition, but memory is per GPU."""
+        shares = [model_state(partition, self.optimizer) for partition in self.model.partitions]
+        return max(shares, key=lambda share: sum(share.values()))
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         first, last = self.model.devices[0], self.model.devices[-1]
