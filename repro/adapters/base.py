@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ class RunContext:
     local_rank: int
     device: torch.device
     seeds: dict[str, int] = field(default_factory=dict)
+    run_dir: Path | None = None  # files a rank writes here are recorded with the run
 
 
 class Adapter:
