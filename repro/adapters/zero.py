@@ -130,6 +130,10 @@ class ZeroAdapter(Adapter):
         return self.peak_model_state
 
 
+    def teardown(self) -> None:
+        self.engine.destroy()
+
+
 def resolved_config(engine: Any) -> dict[str, Any]:
     """What DeepSpeed made of our configuration: every field of its parsed config, defaults included."""
     config = engine._config
