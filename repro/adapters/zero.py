@@ -8,7 +8,7 @@ and each step is the engine's own forward, backward and step. DeepSpeed picks it
 (CUDA, or its CPU accelerator with gloo) by itself and joins the loop's process group.
 
 Every setting that changes the arithmetic comes from the recipe: gradient clipping from
-train.grad_clip (0 when null: a config without `gradient_clipping` clipped at 1.0 here), precision
+train.grad_clip (0 when null: DeepSpeed 0.19 defaults `gradient_clipping` to 1.0), precision
 from train.precision through DeepSpeed's torch_autocast (the autocast and GradScaler DDP uses,
 rather than DeepSpeed's fp16/bf16 modes, which train a half-precision copy of the model), bucket
 sizes from the `zero:` section. The resolved DeepSpeed configuration is written to the run folder
