@@ -41,9 +41,9 @@ COUNTED_STEPS = 3
 
 @dataclass
 class ZeroOptions(FrameworkOptions):
-    """The `zero:` recipe section. Sizes are in elements, defaults are DeepSpeed's."""
+    """The `zero:` recipe section. Sizes are in elements; their defaults are DeepSpeed's."""
 
-    stage: int = 2
+    stage: int = 2  # the Table 2 default; configs/*-paper.yaml give the reason
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = False
