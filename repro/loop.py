@@ -100,7 +100,7 @@ class Trainer:
             torch.set_num_threads(1)  # one stand-in GPU per core; also keeps CPU reductions deterministic
         seeding.make_deterministic(self.device.type == "cuda")
         workload = registry.workload_class(recipe.workload)(recipe.model, recipe.data, data_dir)
-        self.ctx = RunContext(recipe, workload, rank, world, local_rank, self.device, seeds)
+        self.ctx = RunContext(recipe, workload, rank, world, local_rank, self.device, seeds, run_dir)
         seeding.seed_everything(seeds["model_init"])
         model = workload.build_model()
         self.adapter: Adapter = registry.adapter_class(recipe.run.framework)(self.ctx)

@@ -26,6 +26,7 @@ from repro.recipe import Recipe
 
 RUNS_DIR = Path("runs")
 OUTPUT_FILE = "output.log"
+RECIPE_FILE = "recipe.yaml"
 TAIL_LINES = 40
 
 
@@ -129,14 +130,20 @@ def execute(
     command = command_for(recipe, run_dir)
     spec = {"recipe": recipe.to_dict(), "data_dir": str(data_dir.resolve()), "data_sha256": data_sha}
     (run_dir / RUN_FILE).write_text(json.dumps(spec, indent=2))
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    (run_dir / RECIPE_FILE).write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     run = tracking.Run(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha), recipe.flat())
-    run.log_artifact(run_dir / "recipe.yaml")
+    run.log_artifact(run_dir / RECIPE_FILE)
     run.log_dict(doctor.report(), "environment.json")
     run.log_dict(doctor.packages(), "packages.json")
     run.log_dict(command, "command.json")
     returncode = follow(command, run_dir, run, echo, Progress(sys.stderr) if progress else None)
     return Outcome(returncode, run.run_id, run_dir)
+
+
+def job_files(run_dir: Path) -> list[Path]:
+    """What the job left in its run folder (events, output, files an adapter wrote), inputs excluded."""
+    inputs = {RUN_FILE, RECIPE_FILE}
+    return sorted(p for p in run_dir.iterdir() if p.is_file() and p.name not in inputs)
 
 
 def follow(
@@ -170,8 +177,7 @@ def follow(
         status, error = "KILLED", "interrupted by the user"
         raise
     finally:
-        for name in (events.EVENTS_FILE, OUTPUT_FILE):
-            if (run_dir / name).exists():
-                run.log_artifact(run_dir / name)
+        for path in job_files(run_dir):
+            run.log_artifact(path)
         run.end(status, error)
     return job.returncode

@@ -34,6 +34,7 @@ class RunContext:
     local_rank: int
     device: torch.device
     seeds: dict[str, int] = field(default_factory=dict)
+    run_dir: Path | None = None  # files a rank writes here are recorded with the run
 
 
 class Adapter:

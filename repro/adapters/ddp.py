@@ -32,6 +32,20 @@ class DDPAdapter(Adapter):
         self.scaler.update()
         return self.mean_loss(loss)
 
+    def model_state_bytes(self) -> dict[str, int]:
+        """Parameters, gradients and Adam state as the base counts them, plus DDP's reducer buckets.
+
+        With `gradient_as_bucket_view` off (PyTorch's default, used here), DDP all-reduces gradients in
+        flat bucket tensors that cover every parameter and copies the result into `.grad`: the rank holds
+        the gradients twice. The buckets are not reachable from Python; their sizes are DDP's own record.
+        """
+        state = super().model_state_bytes()
+        logged = self.model._get_ddp_logging_data()
+        buckets = [int(size) for size in str(logged.get("bucket_sizes", "")).split(",") if size]
+        if not logged.get("gradient_as_bucket_view"):
+            state["gradients"] += sum(buckets)
+        return state
+
     def state_dict(self) -> dict:
         return {**super().state_dict(), "scaler": self.scaler.state_dict()}
 

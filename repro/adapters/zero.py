@@ -1,0 +1,207 @@
+"""DeepSpeed ZeRO, stages 1-3: data parallelism that partitions model state over the ranks.
+
+Stage 1 partitions the optimizer state (with its fp32 master copy of the weights), stage 2 also
+the gradients, stage 3 also the parameters. The model is handed to `deepspeed.initialize` with the
+kit's optimizer (repro.optim: the same torch.optim.Adam that DDP steps, so losses equal DDP's;
+DeepSpeed's FusedAdam needs CUDA, and its "Adam" config type decouples weight decay by default),
+and each step is the engine's own forward, backward and step. DeepSpeed picks its accelerator
+(CUDA, or its CPU accelerator with gloo) by itself and joins the loop's process group.
+
+Every setting that changes the arithmetic comes from the recipe: gradient clipping from
+train.grad_clip (0 when null: DeepSpeed 0.19 defaults `gradient_clipping` to 1.0), precision
+from train.precision through DeepSpeed's torch_autocast (the autocast and GradScaler DDP uses,
+rather than DeepSpeed's fp16/bf16 modes, which train a half-precision copy of the model), bucket
+sizes from the `zero:` section. The resolved DeepSpeed configuration is written to the run folder
+(CONFIG_FILE) and recorded with the run. What the model-state count includes: docs/memory.md.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from repro.adapters.base import Adapter
+from repro.metrics import optimizer_tensors, tensor_bytes
+from repro.optim import make_optimizer
+from repro.recipe import FrameworkOptions, Recipe
+from repro.schema import RecipeError
+
+CONFIG_FILE = "deepspeed_config.json"
+STAGES = (1, 2, 3)
+# torch optimizers whose state ZeRO knows how to partition (deepspeed.runtime.zero.utils)
+ZERO_OPTIMIZERS = ("adam", "adamw")
+AUTOCAST_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+# Model state peaks from the second step on (the optimizer allocates its state in the first); counting
+# only the first steps keeps the count's cost (milliseconds under stage 3) out of later timed steps.
+COUNTED_STEPS = 3
+
+
+@dataclass
+class ZeroOptions(FrameworkOptions):
+    """The `zero:` recipe section. Sizes are in elements; their defaults are DeepSpeed's."""
+
+    stage: int = 2  # the Table 2 default; configs/*-paper.yaml give the reason
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    # stage 3: parameters with fewer elements stay whole on every rank
+    param_persistence_threshold: int = 100_000
+    prefetch_bucket_size: int = 50_000_000
+
+
+class ZeroAdapter(Adapter):
+    Options = ZeroOptions
+
+    @classmethod
+    def check(cls, recipe: Recipe, source: str) -> None:
+        options: ZeroOptions = recipe.options("zero")
+        if options.stage not in STAGES:
+            raise RecipeError(source, "zero.stage", f"got {options.stage}; ZeRO stages are 1, 2 and 3")
+        optimizer = recipe.optimizer()
+        if optimizer.name not in ZERO_OPTIMIZERS:
+            field = "zero.optimizer.name" if options.optimizer else "train.optimizer.name"
+            raise RecipeError(
+                source, field,
+                f"ZeRO stage {options.stage} partitions only Adam-type optimizer state; got {optimizer.name!r}, "
+                f"valid: {', '.join(ZERO_OPTIMIZERS)} (set zero.optimizer to override the workload's optimizer)",
+            )
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+            if getattr(options, name) < 1:
+                raise RecipeError(source, f"zero.{name}", f"must be at least 1 element, got {getattr(options, name)}")
+        if options.param_persistence_threshold < 0:
+            raise RecipeError(source, "zero.param_persistence_threshold", "must be at least 0")
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The configuration handed to deepspeed.initialize, every arithmetic setting explicit."""
+        recipe, options = self.ctx.recipe, self.options
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": recipe.train.batch_per_gpu,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": recipe.train.grad_clip or 0.0,
+            "zero_optimization": {
+                "stage": options.stage,
+                "reduce_bucket_size": options.reduce_bucket_size,
+                "allgather_bucket_size": options.allgather_bucket_size,
+                "overlap_comm": options.overlap_comm,
+                "contiguous_gradients": options.contiguous_gradients,
+                "stage3_param_persistence_threshold": options.param_persistence_threshold,
+                "stage3_prefetch_bucket_size": options.prefetch_bucket_size,
+            },
+            "steps_per_print": 2**31 - 1,
+        }
+        if recipe.train.precision in AUTOCAST_DTYPES:
+            config["torch_autocast"] = {"enabled": True, "dtype": AUTOCAST_DTYPES[recipe.train.precision]}
+        return config
+
+    def setup(self, model: nn.Sequential) -> None:
+        import deepspeed
+
+        model = model.to(self.ctx.device)
+        optimizer = make_optimizer(self.ctx.recipe.optimizer(), model.parameters())
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.deepspeed_config(), dist_init_required=False,
+        )
+        self.model = self.engine
+        self.peak_model_state = {"parameters": 0, "gradients": 0, "optimizer": 0}
+        self.steps_counted = 0
+        if self.ctx.rank == 0 and self.ctx.run_dir:
+            (self.ctx.run_dir / CONFIG_FILE).write_text(json.dumps(resolved_config(self.engine), indent=2, sort_keys=True))
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+        loss = self.ctx.workload.loss(self.engine(inputs), targets)
+        if self.steps_counted < COUNTED_STEPS:
+            loss.register_hook(self._measure_when_backward_ends)
+            self.steps_counted += 1
+        self.engine.backward(loss)
+        self.engine.step()
+        return self.mean_loss(loss)
+
+    def _measure_when_backward_ends(self, grad: torch.Tensor) -> None:
+        """Runs as backward starts; queues the count for when autograd has produced every gradient."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._record_model_state)
+
+    def _record_model_state(self) -> None:
+        state = zero_model_state(self.engine)
+        if sum(state.values()) > sum(self.peak_model_state.values()):
+            self.peak_model_state = state
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Model state at its high-water mark in a step: the end of backward, before DeepSpeed's own
+        gradient reduction and the optimizer step, when parameters, every gradient ZeRO still holds and
+        the optimizer state are all alive (the largest count over the first COUNTED_STEPS steps)."""
+        return self.peak_model_state
+
+
+    def teardown(self) -> None:
+        self.engine.destroy()
+
+
+def resolved_config(engine: Any) -> dict[str, Any]:
+    """What DeepSpeed made of our configuration: every field of its parsed config, defaults included."""
+    config = engine._config
+
+    def plain(value: Any) -> Any:
+        if hasattr(value, "model_dump"):
+            return value.model_dump()
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            return value
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return repr(value)
+
+    return {key: plain(value) for key, value in vars(config).items() if not key.startswith("_")}
+
+
+def zero_model_state(engine: Any) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds under ZeRO, from its tensors.
+
+    parameters: the storage behind the model's parameters (stage 1-2: the flat buffer holding the
+      whole model; stage 3: this rank's partition, `ds_tensor`, plus any parameter gathered whole).
+    optimizer: the inner optimizer's state and the tensors it updates, ZeRO's fp32 master partition of
+      the weights (as in the ZeRO paper's K = 12 bytes per parameter for mixed-precision Adam).
+    gradients: every other tensor the ZeRO optimizer holds (gradient partitions, reduction buckets)
+      and the `.grad` of model and master tensors.
+    Storages are counted once, in that order (a tensor shared between categories counts in the first).
+    """
+    zero = engine.optimizer
+    inner = zero.optimizer
+    params = list(engine.module.parameters())
+    weights = [t for p in params for t in (p.data, getattr(p, "ds_tensor", None))]
+    # the master partition: what the inner optimizer steps (stage 3 empties its param groups between steps)
+    master = [p for group in inner.param_groups for p in group["params"]] + list(inner.state)
+    optimizer = master + optimizer_tensors(inner)
+    gradients = [p.grad for p in params + master] + list(reachable_tensors(zero))
+    counted = [tensor_bytes(weights), tensor_bytes(weights + optimizer), tensor_bytes(weights + optimizer + gradients)]
+    return {
+        "parameters": counted[0],
+        "optimizer": counted[1] - counted[0],
+        "gradients": counted[2] - counted[1],
+    }
+
+
+def reachable_tensors(root: Any, depth: int = 4) -> Iterator[torch.Tensor]:
+    """Tensors held by `root` through attributes, lists, tuples and dicts (keys too), `depth` levels deep.
+
+    Only DeepSpeed's own objects are entered, so modules, process groups and torch internals are not walked.
+    """
+    if isinstance(root, torch.Tensor):
+        yield root
+    elif depth == 0:
+        return
+    elif isinstance(root, dict):
+        for key, value in root.items():
+            yield from reachable_tensors(key, depth - 1)
+            yield from reachable_tensors(value, depth - 1)
+    elif isinstance(root, (list, tuple)):
+        for value in root:
+            yield from reachable_tensors(value, depth - 1)
+    elif type(root).__module__.startswith("deepspeed.") and hasattr(root, "__dict__"):
+        for value in vars(root).values():
+            yield from reachable_tensors(value, depth - 1)

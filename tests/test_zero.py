@@ -1,0 +1,162 @@
+"""DeepSpeed ZeRO end to end: its arithmetic against DDP, the model state each stage holds, its errors.
+
+The derivation of the bytes each rank holds (fp32, Adam; every term counted in 4-byte elements):
+Psi parameters, N ranks, B elements per reduction bucket, Psi_1 parameters of the first layer.
+
+    DDP      params 4 Psi      grads 4 Psi + 4 Psi (reducer buckets)   Adam 8 Psi
+    stage 1  params 4 Psi      grads 4 Psi + 4 B                        master + Adam 12 Psi / N
+    stage 2  params 4 Psi      grads 4 Psi / N + 4 B                    master + Adam 12 Psi / N
+    stage 3  params 4 Psi / N  grads 4 Psi / N + 4 B                    master + Adam 12 Psi / N
+             + 4 Psi_1 (the first layer is still gathered when backward ends)
+
+docs/memory.md explains each term.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, Repro
+from repro import registry
+from repro.recipe import load_file
+from repro.schema import RecipeError
+
+ADAM = "{name: adam, lr: 0.001, weight_decay: 0.01}"
+SAME_ADAM = ["--set", f"train.optimizer={ADAM}", "--set", f"zero.optimizer={ADAM}"]
+FRAMEWORKS = {"ddp": ["--framework", "ddp"]} | {
+    f"stage{s}": ["--framework", "zero", "--set", f"zero.stage={s}"] for s in (1, 2, 3)
+}
+SMOKE = REPO / "configs" / "gpt2-smoke.yaml"
+
+
+def train(repro: Repro, gpus: int, steps: int) -> dict[str, list[dict]]:
+    """The events of GPT-2 smoke under DDP and ZeRO stages 1-3, all with the same Adam."""
+    out = {}
+    for name, args in FRAMEWORKS.items():
+        result = repro("run", "gpt2", "--gpus", str(gpus), "--scale", "smoke", "--max-steps", str(steps),
+                       "--set", "data.max_val_samples=64", *args, *SAME_ADAM)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out[name] = result.events()  # read now: the next run becomes the newest run folder
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    return train(Repro(tmp_path_factory.mktemp("zero2")), gpus=2, steps=5)
+
+
+@pytest.fixture(scope="module")
+def four_ranks_repro(tmp_path_factory: pytest.TempPathFactory) -> Repro:
+    return Repro(tmp_path_factory.mktemp("zero4"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(four_ranks_repro: Repro) -> dict[str, list[dict]]:
+    return train(four_ranks_repro, gpus=4, steps=3)
+
+
+def losses(events: list[dict]) -> list[float]:
+    return [e["loss"] for e in events if e["event"] == "step"]
+
+
+def model_state(events: list[dict]) -> int:
+    """The largest model state of any rank (what MLflow records as memory/model_state_bytes)."""
+    (epoch,) = [e for e in events if e["event"] == "epoch"]
+    return max(r["parameters"] + r["gradients"] + r["optimizer"] for r in epoch["ranks"])
+
+
+def derived_bytes(name: str, params: int, first_layer: int, ranks: int, bucket: int) -> float:
+    """The table in this module's docstring, in bytes."""
+    master_and_adam = 12 * params / ranks
+    return {
+        "ddp": 4 * params + 8 * params + 8 * params,
+        "stage1": 4 * params + (4 * params + 4 * bucket) + master_and_adam,
+        "stage2": 4 * params + (4 * params / ranks + 4 * bucket) + master_and_adam,
+        "stage3": (4 * params / ranks + 4 * first_layer) + (4 * params / ranks + 4 * bucket) + master_and_adam,
+    }[name]
+
+
+@pytest.mark.slow
+def test_every_stage_trains_like_ddp_on_two_ranks(two_ranks: dict[str, list[dict]]) -> None:
+    ddp = losses(two_ranks["ddp"])
+    assert len(ddp) == 5 and ddp[-1] < ddp[0]
+    for stage in ("stage1", "stage2", "stage3"):
+        zero = losses(two_ranks[stage])
+        assert len(zero) == 5
+        assert max(abs(a - b) for a, b in zip(zero, ddp)) < 1e-5, (stage, zero, ddp)
+
+
+@pytest.mark.slow
+def test_model_state_per_rank_shrinks_with_the_stage_as_derived(four_ranks: dict[str, list[dict]]) -> None:
+    recipe = load_file(SMOKE)
+    model = registry.workload_class("gpt2")(recipe.model, recipe.data, Path()).build_model()
+    params = sum(p.numel() for p in model.parameters())
+    first_layer = sum(p.numel() for p in model[0].parameters())
+    bucket = recipe.options("zero").reduce_bucket_size
+    measured = {name: model_state(events) for name, events in four_ranks.items()}
+    assert measured["ddp"] > measured["stage1"] > measured["stage2"] > measured["stage3"]
+    for name, value in measured.items():
+        derived = derived_bytes(name, params, first_layer, 4, bucket)
+        print(f"{name}: {value} bytes per rank, {value / measured['ddp']:.3f} of DDP (derived {derived:.0f})")
+        assert value == pytest.approx(derived, rel=0.10), name
+
+
+@pytest.mark.slow
+def test_zero_run_lands_in_mlflow_with_memory_and_deepspeed_config(
+    four_ranks: dict[str, list[dict]], four_ranks_repro: Repro,
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=four_ranks_repro.tracking_uri)
+    (run,) = [
+        r for r in client.search_runs(client.get_experiment_by_name("repro").experiment_id)
+        if r.data.params.get("zero.stage") == "3" and r.data.tags["repro.framework"] == "zero"
+    ]
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    assert metrics["memory/model_state_bytes"] == model_state(four_ranks["stage3"])
+    for key in ("memory/peak_bytes", *(f"memory/rank{r}/model_state_bytes" for r in range(4))):
+        assert metrics[key] > 0, key
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"deepspeed_config.json", "events.jsonl", "output.log"} <= artifacts
+    config = client.download_artifacts(run.info.run_id, "deepspeed_config.json", str(four_ranks_repro.cwd))
+    text = Path(config).read_text()
+    assert '"gradient_clipping": 0.0' in text and '"stage": 3' in text
+
+
+@pytest.mark.parametrize(
+    "recipe, override, field",
+    [
+        ("gpt2-smoke", "zero.stage=4", "zero.stage"),
+        ("gpt2-smoke", "zero.stage=0", "zero.stage"),
+        ("gpt2-smoke", "zero.optimizer.name=lamb", "zero.optimizer.name"),
+        ("vgg16-smoke", "train.optimizer.name=sgd", "train.optimizer.name"),
+        ("gpt2-paper", "zero.reduce_bucket_size=0", "zero.reduce_bucket_size"),
+    ],
+)
+def test_impossible_settings_fail_naming_the_field(recipe: str, override: str, field: str) -> None:
+    with pytest.raises(RecipeError) as error:
+        load_file(REPO / "configs" / f"{recipe}.yaml", ["run.framework=zero", override])
+    assert error.value.field == field
+
+
+def test_cli_reports_a_bad_stage_before_launching(repro: Repro) -> None:
+    out = repro("run", "gpt2", "--framework", "zero", "--set", "zero.stage=5", "--dry-run")
+    assert out.returncode == 2
+    assert "zero.stage: got 5; ZeRO stages are 1, 2 and 3" in out.stderr
+
+
+@pytest.mark.parametrize("grad_clip, precision", [(None, "fp32"), (1.0, "bf16"), (0.5, "fp16")])
+def test_arithmetic_settings_reach_deepspeed_explicitly(grad_clip: float | None, precision: str) -> None:
+    from repro.adapters.base import RunContext
+    from repro.adapters.zero import ZeroAdapter
+
+    recipe = load_file(SMOKE, ["run.framework=zero", f"train.grad_clip={grad_clip or 'null'}", f"train.precision={precision}"])
+    config = ZeroAdapter(RunContext(recipe, None, 0, 1, 0, torch.device("cpu"))).deepspeed_config()
+    assert config["gradient_clipping"] == (grad_clip or 0.0)
+    autocast = config.get("torch_autocast", {"enabled": False})
+    assert autocast["enabled"] == (precision != "fp32")
+    assert autocast.get("dtype") == {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}[precision]
+    assert config["zero_optimization"]["reduce_bucket_size"] == recipe.options().reduce_bucket_size
