@@ -40,9 +40,11 @@ def ddp_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) -> 
 def zero_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) -> Step:
     import deepspeed
 
-    spec = recipe.optimizer()
+    spec, zero = recipe.optimizer(), recipe.options()
     config = {"train_micro_batch_size_per_gpu": recipe.train.batch_per_gpu, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": recipe.options().stage}, "gradient_clipping": 0.0}
+              "gradient_clipping": 0.0, "steps_per_print": 2**31 - 1,
+              "zero_optimization": {"stage": zero.stage, "reduce_bucket_size": zero.reduce_bucket_size,
+                                    "allgather_bucket_size": zero.allgather_bucket_size}}
     optimizer = torch.optim.Adam(model.parameters(), lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
