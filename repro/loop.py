@@ -52,21 +52,27 @@ class GlobalBatches(torch.utils.data.Sampler):
 
 
 class EvenShard(torch.utils.data.Sampler):
-    """Validation: shard `index` of `count` near-equal contiguous shards, in batches of `batch`.
+    """Validation: shard `index` of `count` near-equal contiguous shards, split into the same number
+    of near-equal batches (at most `batch` samples) on every rank.
 
-    Every sample is evaluated exactly once whatever the GPU count, so validation metrics compare.
+    Every sample is evaluated exactly once whatever the GPU count, so validation metrics compare;
+    equal batch counts keep ranks whose forward has collectives (FSDP, tensor parallelism) in step.
     """
 
     def __init__(self, size: int, shard: tuple[int, int], batch: int):
         index, count = shard
-        self.start, self.end, self.batch = index * size // count, (index + 1) * size // count, batch
+        self.start, self.end = index * size // count, (index + 1) * size // count
+        self.batches = -(-size // (count * batch))
 
     def __len__(self) -> int:
-        return -(-(self.end - self.start) // self.batch)
+        return self.batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        for start in range(self.start, self.end, self.batch):
-            yield list(range(start, min(start + self.batch, self.end)))
+        length = self.end - self.start
+        for number in range(self.batches):
+            first, last = self.start + number * length // self.batches, self.start + (number + 1) * length // self.batches
+            if last > first:
+                yield list(range(first, last))
 
 
 def pick_device(recipe: Recipe, local_rank: int) -> torch.device:
