@@ -1,12 +1,14 @@
 """MLflow: the only module that imports it. One rank's events become one MLflow run."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from repro import events
 
@@ -14,6 +16,7 @@ DEFAULT_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "repro"
 TAG_PREFIX = "repro."
 RETRIES = 12
+SQLITE_PREFIX = "sqlite:///"
 TRANSIENT_SIGNS = ("database is locked", "database table is locked")
 
 
@@ -39,13 +42,28 @@ def with_retries(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             time.sleep(min(0.1 * 2**attempt, 5.0))
 
 
+@contextlib.contextmanager
+def store_creation_lock(uri: str) -> Iterator[None]:
+    """Held while opening a sqlite store: MLflow creates a new store's tables on first use, and two
+    processes doing so at once fail ("table experiments already exists")."""
+    if not uri.startswith(SQLITE_PREFIX):
+        yield
+        return
+    database = Path(uri[len(SQLITE_PREFIX):])
+    with open(database.with_name(database.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 class RetryingClient:
     """An MlflowClient whose every call is retried on transient store errors (see with_retries)."""
 
     def __init__(self, uri: str):
         from mlflow.tracking import MlflowClient
 
-        self.inner = with_retries(MlflowClient, tracking_uri=uri)
+        with store_creation_lock(uri):
+            self.inner = MlflowClient(tracking_uri=uri)
+            with_retries(self.inner.search_experiments, max_results=1)  # opens (and if new, creates) the store
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self.inner, name)
