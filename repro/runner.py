@@ -36,7 +36,9 @@ TAIL_LINES = 80
 STOP_GRACE_S = 45  # after a stop signal, torchrun gives its workers 30 s to save before killing them
 SPEC_WAIT_S = 120  # how long a node other than the first waits for the run folder to appear
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-# torchrun's failure summary: "rank      : 1 (local_rank: 1)" then "exitcode  : -9 (pid: ...)"
+# torchrun's failure summary names the first failed rank under this heading, as
+# "rank      : 1 (local_rank: 1)" then "exitcode  : -9 (pid: ...)"; the other ranks it stopped come before
+ROOT_CAUSE_HEADING = "Root Cause (first observed failure)"
 ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
@@ -358,7 +360,7 @@ class Job:
     def failure(self) -> tuple[str, str | None]:
         """(message, failing global rank) from the launcher's failure summary and the ranks' last lines."""
         tail = "".join(self.pump.tail)
-        cause = ROOT_CAUSE.search(tail)
+        cause = ROOT_CAUSE.search(tail, tail.rfind(ROOT_CAUSE_HEADING) + 1)
         if not cause:
             return f"exit code {self.returncode}; last output:\n{tail}", None
         rank, local_rank, code = cause.groups()

@@ -11,7 +11,7 @@ import torch
 
 from conftest import framework_params, read_events, wait_for_event
 
-SMOKE = ("--epochs", "2", "--set", "data.max_train_samples=256", "--set", "data.max_val_samples=32")
+SMOKE = ("--epochs", "2", "--set", "data.max_train_samples=512", "--set", "data.max_val_samples=32")
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -67,7 +67,7 @@ def test_sigterm_after_first_epoch_then_resume_is_bit_for_bit(repro, framework):
     assert alone.keys() == again.keys() and alone
     assert all(torch.equal(alone[k], again[k]) for k in alone), [k for k in alone if not torch.equal(alone[k], again[k])]
     assert curve(read_events(repro.cwd / "alone/run")) == curve(read_events(run_dir))
-    assert len([e for e in read_events(run_dir) if e["event"] == "step"]) == 2 * 256 // 16
+    assert len([e for e in read_events(run_dir) if e["event"] == "step"]) == 2 * 512 // 16
 
     runs = {r.info.run_id: r for r in repro.mlflow_runs()}
     assert len(runs) == 2  # the resumed run continued its own MLflow run
@@ -77,7 +77,7 @@ def test_sigterm_after_first_epoch_then_resume_is_bit_for_bit(repro, framework):
     from mlflow.tracking import MlflowClient
 
     history = MlflowClient(repro.tracking_uri).get_metric_history(same.info.run_id, "train/loss")
-    assert sorted(m.step for m in history) == list(range(1, 33))  # every step once: none lost, none repeated
+    assert sorted(m.step for m in history) == list(range(1, 65))  # every step once: none lost, none repeated
     elapsed = sorted(MlflowClient(repro.tracking_uri).get_metric_history(same.info.run_id, "time/elapsed_s"),
                      key=lambda m: m.step)
     assert [m.step for m in elapsed] == [1, 2] and elapsed[1].value > elapsed[0].value
