@@ -29,10 +29,7 @@ test-fast:  ## unit tests only (no multi-process training)
 	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 reproduce-table2: data  ## run the Table 2 matrix at SCALE (smoke by default) and write reports/
-	$(PYTHON) -m repro.cli run gpt2 --framework ddp --gpus 1 --scale $(SCALE)
-	$(PYTHON) -m repro.cli run gpt2 --framework ddp --gpus 2 --scale $(SCALE)
-	$(PYTHON) -m repro.cli run vgg16 --framework ddp --gpus 1 --scale $(SCALE)
-	$(PYTHON) -m repro.cli run vgg16 --framework ddp --gpus 2 --scale $(SCALE)
+	$(PYTHON) -m repro.cli table2 --scale $(SCALE)
 
 mlflow-ui:  ## browse every run (embedded sqlite store) on http://127.0.0.1:5000
 	$(PYTHON) -m mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000

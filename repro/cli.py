@@ -121,6 +121,44 @@ def attach(run_dir: Path, command: tuple[str, ...]) -> None:
     sys.exit(runner.attach(run_dir, list(command)))
 
 
+@main.command()
+@click.option("--scale", type=click.Choice(SCALES), default="smoke", show_default=True)
+@click.option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+@click.option("--experiment", help="MLflow experiment (default: table2-SCALE).")
+@click.option("--reports", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"), show_default=True)
+@click.option("--gpus-per-node", type=int, help="GPUs per node when spreading the paper's GPU counts over nodes.")
+@click.option("--retry-failed", is_flag=True, help="Run again the cells whose last run failed.")
+@click.option("--reports-only", is_flag=True, help="Write the reports from MLflow without running anything.")
+@click.option("--rows", help="Comma-separated framework rows to keep (default: all rows of the matrix).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field in every cell's recipe.")
+def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports: Path, gpus_per_node: int | None,
+           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...]) -> None:
+    """Re-run the paper's comparison matrix and write Table 2, figures and findings.
+
+    \b
+    Runs every cell (workload x framework x GPU count, configs/table2.yaml) that MLflow does not
+    already hold for the same recipe fingerprint, so an interrupted matrix resumes and a second
+    call only rebuilds reports/: table2_platforms.*, results.{md,csv,tex}, *.png, findings.md.
+    """
+    from repro import tracking
+    from repro import table2 as matrix_module
+    from repro.report.build import write_reports
+
+    uri = tracking.tracking_uri(tracking_uri)
+    experiment = experiment or f"table2-{scale}"
+    try:
+        matrix = matrix_module.load_matrix(rows=rows.split(",") if rows else None)
+    except KeyError as error:
+        fail(error.args[0])
+    cells = matrix_module.expand(matrix, scale, list(overrides), gpus_per_node)
+    if not reports_only:
+        counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed)
+        click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
+                   f"{counts['skipped']} skipped", err=True)
+    for path in write_reports(cells, uri, experiment, reports, scale):
+        click.echo(str(path))
+
+
 @main.command("list")
 def list_() -> None:
     """Models, frameworks (and whether each can run here) and recipes."""

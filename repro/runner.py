@@ -220,6 +220,7 @@ def refuse_if_different(recipe: Recipe, run_dir: Path) -> None:
 
 def execute(
     recipe: Recipe, uri: str, experiment: str, options: Launch = Launch(), echo: Callable[[str], None] = print,
+    progress: bool = True,
 ) -> Outcome:
     registry.adapter_class(recipe.run.framework)  # unavailable frameworks fail before anything starts
     check_launch(recipe, options)
@@ -256,7 +257,7 @@ def execute(
         return submit(slurm_job(recipe, options, run_dir, data_dir, spec["tracking_uri"]), run, echo)
     command = command_for(recipe, options, run_dir)
     run.log_dict(command, "command.json")
-    returncode, status = follow(command, run_dir, run, echo)
+    returncode, status = follow(command, run_dir, run, echo, Progress(sys.stderr) if progress else None)
     return Outcome(returncode, run.run_id, run_dir, status)
 
 
@@ -280,7 +281,7 @@ def attach(run_dir: Path, command: list[str], echo: Callable[[str], None] = prin
     spec = read_spec(run_dir)
     run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"])
     run.log_dict(command, "command.json")
-    return follow(command, run_dir, run, echo)[0]
+    return follow(command, run_dir, run, echo, Progress(sys.stderr))[0]
 
 
 def join(recipe: Recipe, options: Launch, echo: Callable[[str], None]) -> Outcome:
@@ -371,7 +372,9 @@ class Job:
         )
 
 
-def follow(command: list[str], run_dir: Path, run: tracking.Run, echo: Callable[[str], None]) -> tuple[int, str]:
+def follow(
+    command: list[str], run_dir: Path, run: tracking.Run, echo: Callable[[str], None], progress: Progress | None,
+) -> tuple[int, str]:
     """Run the job, feeding its events to MLflow as they come; end the run with the job's status.
 
     FINISHED when the job succeeds; KILLED when it was stopped by a signal (after a stop signal the
@@ -379,9 +382,9 @@ def follow(command: list[str], run_dir: Path, run: tracking.Run, echo: Callable[
     with the failing rank and the last lines of output.
     """
     reader = events.EventReader(run_dir / events.EVENTS_FILE)
-    progress = Progress(sys.stderr)
+    shown = progress.show if progress else lambda event: None
     for event in reader.new():  # a resumed run: the events already in MLflow, for the progress display
-        progress.show(event)
+        shown(event)
     job = Job(command, run_dir / OUTPUT_FILE, echo)
     interrupted = None
     status, error = "FAILED", "the follower stopped before the job"
@@ -391,7 +394,7 @@ def follow(command: list[str], run_dir: Path, run: tracking.Run, echo: Callable[
                 finished = job.finished()
                 batch = list(reader.new())
                 for event in batch:
-                    progress.show(event)
+                    shown(event)
                     interrupted = event if event["event"] == events.INTERRUPTED else interrupted
                 if batch:
                     run.log_events(batch)

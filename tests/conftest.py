@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,11 +22,15 @@ class Result:
     stderr: str
     cwd: Path
 
-    def run_dirs(self) -> list[Path]:
-        return sorted((self.cwd / "runs").glob("*"), key=lambda p: p.stat().st_mtime)
+    @property
+    def run_dir(self) -> Path:
+        """The run folder that this command reported (`files in ...` or `output kept in ...`)."""
+        found = re.search(r"(?:files in|output kept in) (\S+)", self.stderr)
+        assert found, f"no run folder reported:\n{self.stderr[-2000:]}"
+        return Path(found.group(1))
 
     def events(self) -> list[dict]:
-        return [json.loads(line) for line in (self.run_dirs()[-1] / "events.jsonl").read_text().splitlines()]
+        return read_events(self.run_dir)
 
     def losses(self) -> list[float]:
         return [e["loss"] for e in self.events() if e["event"] == "step"]
@@ -57,13 +62,6 @@ class Repro:
     @property
     def tracking_uri(self) -> str:
         return self.env["MLFLOW_TRACKING_URI"]
-
-    def mlflow_runs(self) -> list:
-        """Every MLflow run in the scratch store."""
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(self.tracking_uri)
-        return client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -108,3 +106,17 @@ def framework_params(*names: str) -> list:
             reason = f"needs {', '.join(entry.missing())}"
         params.append(pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
     return params
+
+
+@pytest.fixture(scope="module")
+def shared_repro(tmp_path_factory: pytest.TempPathFactory) -> Repro:
+    """One scratch folder and MLflow store for all tests of a module (to share expensive runs)."""
+    return Repro(tmp_path_factory.mktemp("repro"))
+
+
+def mlflow_runs(uri: str, experiment: str = "repro") -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []

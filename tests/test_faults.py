@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import wait_for_event
+from conftest import mlflow_runs, wait_for_event
 
 # 64 steps an epoch: the second epoch is long enough to be interrupted in its middle
 RUN = ("run", "gpt2", "--gpus", "2", "--epochs", "2", "--set", "data.max_val_samples=32", "--run-dir", "runs/job")
@@ -42,7 +42,7 @@ def test_a_rank_killed_mid_epoch_fails_the_run_within_60_s(repro):
     assert job.wait(timeout=60) != 0  # the whole job ends within 60 s of the death of one rank
     assert_nothing_left(processes)
 
-    (run,) = repro.mlflow_runs()
+    (run,) = mlflow_runs(repro.tracking_uri)
     assert run.info.status == "FAILED"
     assert run.data.tags["repro.failed_rank"] == "1"
     assert run.data.tags["repro.error"].startswith("rank 1 (local rank 1) failed with exit code -9")
@@ -61,6 +61,6 @@ def test_ctrl_c_ends_the_run_as_killed(repro):
     job.send_signal(signal.SIGINT)
     assert job.wait(timeout=60) != 0
     assert_nothing_left(processes)
-    (run,) = repro.mlflow_runs()
+    (run,) = mlflow_runs(repro.tracking_uri)
     assert run.info.status == "KILLED"
     assert run.data.tags["repro.error"] == "stopped by SIGINT"

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from conftest import framework_params, read_events
+from conftest import framework_params, mlflow_runs, read_events
 
 SETS = ("--max-steps", "6", "--set", "data.max_train_samples=256", "--set", "data.max_val_samples=32")
 
@@ -29,7 +29,7 @@ def test_two_nodes_train_like_one_and_land_once_in_mlflow(repro, framework):
     assert second.wait(timeout=120) == 0, (repro.cwd / "node1.txt").read_text()
     assert one_node.wait(timeout=300) == 0, (repro.cwd / "single.txt").read_text()
 
-    runs = [r for r in repro.mlflow_runs() if r.data.tags["repro.nodes"] == "2"]
+    runs = [r for r in mlflow_runs(repro.tracking_uri) if r.data.tags["repro.nodes"] == "2"]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     events = read_events(repro.cwd / "runs" / "job")
     assert [e["world"] for e in events if e["event"] == "start"] == [2]

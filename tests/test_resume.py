@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import framework_params, read_events, wait_for_event
+from conftest import framework_params, mlflow_runs, read_events, wait_for_event
 
 SMOKE = ("--epochs", "2", "--set", "data.max_train_samples=512", "--set", "data.max_val_samples=32")
 
@@ -56,7 +56,7 @@ def test_sigterm_after_first_epoch_then_resume_is_bit_for_bit(repro, framework):
     assert stopped.wait(timeout=120) != 0
     interrupted = [e for e in read_events(run_dir) if e["event"] == "interrupted"]
     assert interrupted and interrupted[0]["step"] > first_epoch["step"], (repro.cwd / "stopped.txt").read_text()
-    (stopped_run,) = [r for r in repro.mlflow_runs() if r.info.run_name and r.info.status == "KILLED"]
+    (stopped_run,) = [r for r in mlflow_runs(repro.tracking_uri) if r.info.run_name and r.info.status == "KILLED"]
     assert stopped_run.data.tags["repro.interrupted"].startswith("SIGTERM at step")
 
     resumed = repro(*args, "--resume", str(run_dir))
@@ -69,7 +69,7 @@ def test_sigterm_after_first_epoch_then_resume_is_bit_for_bit(repro, framework):
     assert curve(read_events(repro.cwd / "alone/run")) == curve(read_events(run_dir))
     assert len([e for e in read_events(run_dir) if e["event"] == "step"]) == 2 * 512 // 16
 
-    runs = {r.info.run_id: r for r in repro.mlflow_runs()}
+    runs = {r.info.run_id: r for r in mlflow_runs(repro.tracking_uri)}
     assert len(runs) == 2  # the resumed run continued its own MLflow run
     (same,) = [r for r in runs.values() if r.info.run_id == stopped_run.info.run_id]
     assert same.info.status == "FINISHED" and same.data.tags["repro.resumed"] == "true"

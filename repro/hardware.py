@@ -1,0 +1,76 @@
+"""Peak arithmetic rates of known devices, keyed by the name CUDA reports (matched by substring).
+
+Vendor datasheet numbers, dense (no sparsity). An unknown device has no entry, and then the kit
+reports no MFU rather than guessing.
+"""
+from __future__ import annotations
+
+# name fragment -> (FP64 TFLOP/s, FP16/BF16 tensor-core TFLOP/s); the first match wins, so more
+# specific fragments come first.
+PEAK_TFLOPS: list[tuple[str, float, float]] = [
+    ("H200", 34.0, 989.0),
+    ("H100 PCIe", 26.0, 756.0),
+    ("H100", 34.0, 989.0),
+    ("A100", 9.7, 312.0),
+    ("V100", 7.8, 125.0),
+    ("A10G", 0.98, 125.0),
+    ("L4", 0.49, 121.0),
+]
+
+# The paper's Table 2, as published.
+PAPER_PLATFORMS = [
+    {"platform": "Lassen (paper)", "nodes": 795, "cpu": "IBM Power9", "cores_per_node": 44, "gpu": "NVIDIA V100",
+     "gpus_per_node": 4, "cpu_memory_gb": 256, "gpu_memory_gb": 64, "gpu_fp64_tflops": 7.0},
+    {"platform": "ThetaGPU (paper)", "nodes": 24, "cpu": "AMD Rome", "cores_per_node": 64, "gpu": "NVIDIA A100",
+     "gpus_per_node": 8, "cpu_memory_gb": 1024, "gpu_memory_gb": 320, "gpu_fp64_tflops": 9.7},
+]
+
+
+def peak(device_name: str) -> tuple[float, float] | None:
+    """(FP64, 16-bit tensor) peak TFLOP/s of `device_name`, or None for a device not in the table."""
+    for fragment, fp64, tensor16 in PEAK_TFLOPS:
+        if fragment in device_name:
+            return fp64, tensor16
+    return None
+
+
+def cpu_model() -> str:
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_gb() -> float:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def this_platform(nodes: int) -> dict[str, object]:
+    """Table 2's row for the machine the runs used (nodes from the run tags)."""
+    import os
+
+    import torch
+
+    row: dict[str, object] = {"platform": "this machine", "nodes": nodes, "cpu": cpu_model(),
+                              "cores_per_node": os.cpu_count(), "cpu_memory_gb": round(memory_gb())}
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        count = torch.cuda.device_count()
+        rates = peak(name)
+        row.update(gpu=name, gpus_per_node=count,
+                   gpu_memory_gb=round(count * torch.cuda.get_device_properties(0).total_memory / 2**30),
+                   gpu_fp64_tflops=rates[0] if rates else "unknown device")
+    else:
+        row.update(gpu="none (CPU processes stand in)", gpus_per_node=0, gpu_memory_gb=0, gpu_fp64_tflops="n/a")
+    return row

@@ -1,0 +1,39 @@
+"""Write reports/ from MLflow: Table 2, the results tables, the figures and the findings."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from repro.hardware import PAPER_PLATFORMS, this_platform
+from repro.report import figures, findings, tables
+from repro.report.collect import Result, collect
+from repro.table2 import Cell
+
+REPORT_RUN = "table2-report"
+
+
+def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    results = collect(cells, uri, experiment)
+    nodes = max((r.cell.recipe.run.nodes for r in results if r.ok), default=1)
+    paths = tables.write_all(folder, "table2_platforms", [*PAPER_PLATFORMS, this_platform(nodes)], tables.PLATFORM_COLUMNS)
+    paths += tables.write_all(folder, "results", tables.result_rows(results), tables.RESULT_COLUMNS)
+    paths += figures.all_figures(results, folder)
+    verdicts = findings.judge(results)
+    (folder / "findings.md").write_text(findings.markdown(verdicts))
+    (folder / "findings.json").write_text(json.dumps([asdict(f) for f in verdicts], indent=2))
+    paths += [folder / "findings.md", folder / "findings.json"]
+    log_report_run(uri, experiment, scale, paths, results)
+    return paths
+
+
+def log_report_run(uri: str, experiment: str, scale: str, paths: list[Path], results: list[Result]) -> None:
+    """One MLflow run gathering the matrix: every report file, and the run id of each cell."""
+    from repro import tracking
+
+    run = tracking.Run(uri, experiment, f"{REPORT_RUN}-{scale}", {"repro.report": "table2", "repro.scale": scale}, {})
+    for path in paths:
+        run.log_artifact(path)
+    run.log_dict({r.cell.label: {"status": r.status, "run_id": r.run_id} for r in results}, "cells.json")
+    run.end("FINISHED")

@@ -1,0 +1,85 @@
+"""The results tables (numbers behind the paper's figures) and Table 2 (platforms): Markdown, CSV, LaTeX."""
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+from repro.report.collect import Result
+
+RESULT_COLUMNS = [
+    "workload", "framework", "gpus", "status", "epoch_s", "speedup", "samples_per_s", "peak_memory_mib",
+    "model_state_mib", "memory_method", "final_metric", "time_to_target_s", "note",
+]
+PLATFORM_COLUMNS = [
+    "platform", "nodes", "cpu", "cores_per_node", "gpu", "gpus_per_node", "cpu_memory_gb", "gpu_memory_gb",
+    "gpu_fp64_tflops",
+]
+
+
+def _mib(value: float | None) -> float | None:
+    return None if value is None else value / 2**20
+
+
+def result_rows(results: list[Result]) -> list[dict[str, Any]]:
+    """One row per cell; speed-up is over the same framework row's smallest GPU count."""
+    base = {}
+    for r in sorted(results, key=lambda r: r.cell.gpus):
+        if r.ok:
+            base.setdefault((r.cell.workload, r.cell.row), r.epoch_time)
+    rows = []
+    for r in results:
+        first = base.get((r.cell.workload, r.cell.row))
+        rows.append({
+            "workload": r.cell.workload, "framework": r.cell.row, "gpus": r.cell.gpus, "status": r.status,
+            "epoch_s": r.epoch_time, "speedup": first / r.epoch_time if r.ok and first else None,
+            "samples_per_s": r.mean_throughput, "peak_memory_mib": _mib(r.peak_bytes),
+            "model_state_mib": _mib(r.model_state_bytes), "memory_method": r.memory_method,
+            "final_metric": r.final_metric, "time_to_target_s": r.time_to_target(),
+            "note": "" if r.ok else r.error.strip().splitlines()[-1][:120] if r.error else r.status,
+        })
+    return rows
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_text(row.get(c)).replace("|", "/") for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({c: "" if row.get(c) is None else row.get(c) for c in columns} for row in rows)
+    return buffer.getvalue()
+
+
+def latex(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    def escape(text: str) -> str:
+        for char in "\\&%$#_{}":
+            text = text.replace(char, "\\" + char)
+        return text
+
+    lines = [r"\begin{tabular}{" + "l" * len(columns) + "}", r"\hline",
+             " & ".join(escape(c) for c in columns) + r" \\", r"\hline"]
+    lines += [" & ".join(escape(_text(row.get(c))) for c in columns) + r" \\" for row in rows]
+    return "\n".join(lines + [r"\hline", r"\end{tabular}"]) + "\n"
+
+
+def write_all(folder: Path, stem: str, rows: list[dict[str, Any]], columns: list[str]) -> list[Path]:
+    paths = []
+    for suffix, render in ((".md", markdown), (".csv", to_csv), (".tex", latex)):
+        path = folder / f"{stem}{suffix}"
+        path.write_text(render(rows, columns))
+        paths.append(path)
+    return paths

@@ -1,0 +1,137 @@
+"""The experiment matrix of `make reproduce-table2`: expand it into cells, run what MLflow lacks.
+
+A cell is one recipe run (workload x framework row x GPU count). Cells are identified by their
+recipe fingerprint, so an interrupted matrix resumes where it stopped and a second call only
+rebuilds the reports. Cells that do not apply (Megatron on VGG-16) or cannot run here (LBANN
+without its binary) are kept with the reason, so the report can show them.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from repro import registry
+from repro.recipe import Recipe, configs_dir, load_file, recipe_path
+from repro.schema import RecipeError, build
+
+
+@dataclass
+class Row:
+    name: str
+    framework: str
+    set: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ScalePlan:
+    gpus: list[int]
+    gpus_per_node: int
+    workloads: list[str]
+
+
+@dataclass
+class Matrix:
+    rows: list[Row]
+    scales: dict[str, ScalePlan]
+
+
+@dataclass
+class Cell:
+    workload: str
+    row: str
+    framework: str
+    gpus: int
+    recipe: Recipe | None = None
+    skip: str | None = None  # why the cell is not run: not applicable, or unavailable here
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload} {self.row} {self.gpus}g"
+
+
+def matrix_path() -> Path:
+    return configs_dir() / "table2.yaml"
+
+
+def load_matrix(path: Path | None = None, rows: list[str] | None = None) -> Matrix:
+    """The matrix file, keeping only `rows` when given (KeyError naming the valid rows otherwise)."""
+    path = path or matrix_path()
+    raw = yaml.safe_load(path.read_text())
+    matrix = build(Matrix, {**raw, "scales": {}}, str(path))
+    matrix.scales = {name: build(ScalePlan, plan, str(path), f"scales.{name}") for name, plan in raw["scales"].items()}
+    if rows:
+        valid = [row.name for row in matrix.rows]
+        unknown = [name for name in rows if name not in valid]
+        if unknown:
+            raise KeyError(f"unknown row {unknown[0]!r}; valid rows: {', '.join(valid)}")
+        matrix.rows = [row for row in matrix.rows if row.name in rows]
+    return matrix
+
+
+def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int, extra: list[str]) -> Cell:
+    cell = Cell(workload, row.name, row.framework, gpus)
+    missing = registry.framework(row.framework).missing()
+    if missing:
+        cell.skip = f"unavailable here: missing {', '.join(missing)}"
+        return cell
+    nodes = math.ceil(gpus / gpus_per_node)
+    fields = [f"run.framework={row.framework}", f"run.gpus={gpus}", f"run.nodes={nodes}"]
+    fields += [text.format(gpus=gpus) for text in row.set] + list(extra)
+    try:
+        cell.recipe = load_file(recipe_path(workload, scale), fields)
+    except RecipeError as error:
+        cell.skip = f"not applicable: {error.problem}"
+    return cell
+
+
+def expand(matrix: Matrix, scale: str, extra: list[str] = (), gpus_per_node: int | None = None) -> list[Cell]:
+    """Every cell of the matrix at `scale` (cells with equal recipes, such as megatron-intra and
+    megatron-data at 1 GPU, share one run)."""
+    plan = matrix.scales[scale]
+    per_node = gpus_per_node or plan.gpus_per_node
+    return [
+        cell_for(workload, row, gpus, scale, per_node, list(extra))
+        for workload in plan.workloads for row in matrix.rows for gpus in plan.gpus
+    ]
+
+
+def held_fingerprints(uri: str, experiment: str, retry_failed: bool) -> set[str]:
+    """Fingerprints MLflow already holds a finished (or, unless retried, failed) run for."""
+    from repro.report.collect import search_runs
+
+    keep = {"FINISHED"} if retry_failed else {"FINISHED", "FAILED"}
+    return {r.data.tags.get("repro.recipe_sha256") for r in search_runs(uri, experiment) if r.info.status in keep}
+
+
+def run_matrix(
+    cells: list[Cell], uri: str, experiment: str, retry_failed: bool = False,
+    out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> dict[str, int]:
+    """Run the cells MLflow lacks, one after another, with a progress line per cell."""
+    from repro import runner
+    from repro.data import DataError
+
+    held = held_fingerprints(uri, experiment, retry_failed)
+    unique = {c.recipe.fingerprint(): c for c in cells if c.recipe}
+    todo = [c for key, c in unique.items() if key not in held]
+    counts = {"held": len(unique) - len(todo), "ran": 0, "failed": 0, "skipped": sum(1 for c in cells if not c.recipe)}
+    out(f"matrix: {len(unique)} runs, {counts['held']} already in MLflow, {len(todo)} to run, "
+        f"{counts['skipped']} cells skipped")
+    started = time.monotonic()
+    for index, cell in enumerate(todo, 1):
+        begun = time.monotonic()
+        try:
+            code = runner.execute(cell.recipe, uri, experiment, echo=lambda line: None, progress=False).returncode
+        except (DataError, registry.Unavailable) as error:
+            code, cell.skip = 1, str(error)
+        counts["ran" if code == 0 else "failed"] += 1
+        left = (time.monotonic() - started) / index * (len(todo) - index)
+        state = "done" if code == 0 else f"FAILED (exit {code})"
+        out(f"[{index}/{len(todo)}] {cell.label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   ~{left:4.0f}s left")
+    return counts

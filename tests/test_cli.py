@@ -1,0 +1,49 @@
+"""The command line: fast help, listings, and refusals that say what to do."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_help_imports_no_torch() -> None:
+    code = "import sys; from repro.cli import main; assert 'torch' not in sys.modules; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_list_shows_models_frameworks_and_recipes(repro) -> None:
+    out = repro("list")
+    assert out.returncode == 0
+    assert "models:     vgg16, gpt2" in out.stdout
+    assert "ddp" in out.stdout and "gpt2-smoke.yaml" in out.stdout
+
+
+def test_unknown_framework_lists_valid_ones(repro) -> None:
+    out = repro("run", "gpt2", "--framework", "horovod")
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("repro: unknown framework 'horovod'; valid frameworks: ddp, zero")
+
+
+def test_unknown_model_is_refused(repro) -> None:
+    out = repro("run", "resnet50")
+    assert out.returncode == 2
+    assert "'resnet50' is not one of 'vgg16', 'gpt2'" in out.stderr
+
+
+def test_dry_run_prints_the_launch_command(repro) -> None:
+    out = repro("run", "gpt2", "--gpus", "2", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "-m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2" in out.stdout
+    assert not (repro.cwd / "runs").exists()
+
+
+def test_doctor_reports_versions_and_data(repro) -> None:
+    out = repro("doctor", "--json")
+    assert out.returncode == 0
+    import json
+
+    report = json.loads(out.stdout)
+    assert report["versions"]["torch"] == "2.14.1"
+    assert report["data"]["digits"].startswith("present")

@@ -1,0 +1,88 @@
+"""Recipes: validation errors name file and field; overrides, fingerprints and flattening."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from repro.recipe import load_file, recipe_path
+from repro.schema import RecipeError
+
+
+def write(tmp_path: Path, change) -> Path:
+    raw = yaml.safe_load(recipe_path("gpt2", "smoke").read_text())
+    change(raw)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize("model,scale", [(m, s) for m in ("gpt2", "vgg16") for s in ("smoke", "paper")])
+def test_shipped_recipes_load(model: str, scale: str) -> None:
+    recipe = load_file(recipe_path(model, scale))
+    assert recipe.workload == model and recipe.scale == scale
+    assert len(recipe.fingerprint()) == 64
+
+
+def test_paper_hyperparameters_match_table_3() -> None:
+    vgg, gpt = load_file(recipe_path("vgg16", "paper")), load_file(recipe_path("gpt2", "paper"))
+    assert (vgg.train.batch_per_gpu, vgg.train.epochs) == (64, 90)
+    assert (vgg.train.optimizer.name, vgg.train.optimizer.lr, vgg.train.optimizer.weight_decay) == ("sgd", 0.01, 1e-4)
+    assert (gpt.train.batch_per_gpu, gpt.train.epochs) == (32, 100)
+    assert (gpt.train.optimizer.name, gpt.train.optimizer.lr, gpt.train.optimizer.weight_decay) == ("lamb", 0.001, 0.01)
+
+
+def test_unknown_key_names_file_field_and_valid_fields(tmp_path: Path) -> None:
+    path = write(tmp_path, lambda r: r["train"].update(learning_rate=0.1))
+    with pytest.raises(RecipeError) as error:
+        load_file(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: train.learning_rate: unknown field; valid fields: batch_per_gpu, epochs")
+    assert "\n" not in message
+
+
+def test_wrong_type_names_field_and_value(tmp_path: Path) -> None:
+    path = write(tmp_path, lambda r: r["train"].update(epochs="three"))
+    with pytest.raises(RecipeError, match=r"train\.epochs: expected int, got str 'three'"):
+        load_file(path)
+
+
+def test_bad_choice_lists_valid_ones(tmp_path: Path) -> None:
+    path = write(tmp_path, lambda r: r["train"]["optimizer"].update(name="adagrad"))
+    with pytest.raises(RecipeError, match=r"train\.optimizer\.name: got 'adagrad'; valid choices: sgd, adam, adamw, lamb"):
+        load_file(path)
+
+
+def test_model_section_is_checked_against_the_workload(tmp_path: Path) -> None:
+    path = write(tmp_path, lambda r: r["model"].update(width_div=8))
+    with pytest.raises(RecipeError, match=r"model\.width_div: unknown field; valid fields: d_model, dropout"):
+        load_file(path)
+
+
+def test_gpus_must_spread_evenly_over_nodes() -> None:
+    with pytest.raises(RecipeError, match=r"gpus \(6\) must spread evenly over nodes \(4\): 6 % 4 = 2"):
+        load_file(recipe_path("gpt2", "smoke"), ["run.gpus=6", "run.nodes=4"])
+
+
+def test_overrides_apply_and_change_the_fingerprint() -> None:
+    base = load_file(recipe_path("gpt2", "smoke"))
+    changed = load_file(recipe_path("gpt2", "smoke"), ["train.optimizer.lr=0.5", "seed=7"])
+    assert changed.train.optimizer.lr == 0.5 and changed.seed == 7
+    assert changed.fingerprint() != base.fingerprint()
+    assert load_file(recipe_path("gpt2", "smoke")).fingerprint() == base.fingerprint()
+    assert changed.flat()["train.optimizer.lr"] == "0.5"
+
+
+def test_bad_override_syntax() -> None:
+    with pytest.raises(RecipeError, match=r"--set: train\.epochs: expected key=value"):
+        load_file(recipe_path("gpt2", "smoke"), ["train.epochs"])
+
+
+def test_round_trip_through_plain_data_keeps_the_fingerprint() -> None:
+    from repro.recipe import resolve
+
+    recipe = load_file(recipe_path("vgg16", "smoke"), ["run.gpus=2"])
+    again = resolve(recipe.to_dict(), recipe.source)
+    assert again.fingerprint() == recipe.fingerprint()
+    assert again.run_name() == "vgg16-ddp-2g-smoke-s1234"
