@@ -22,16 +22,17 @@ TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 OFFLINE_VARIABLES = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-def torchrun_options(python: str) -> list[str]:
-    """torchrun without restarts (a failed rank ends the job), each worker's lines prefixed with its rank."""
-    return [python, "-m", "torch.distributed.run", "--max-restarts", "0", "--tee", "3"]
+def torchrun_tail(run_dir: Path) -> list[str]:
+    """What every torchrun of a run shares: no restarts (a failed rank ends the job), each worker's
+    lines prefixed with its rank and kept per rank in RUN_DIR/ranks, and the loop as the program."""
+    return ["--max-restarts", "0", "--tee", "3", "--log-dir", str(run_dir / "ranks"), "-m", LOOP_MODULE, str(run_dir)]
 
 
 def torchrun_local(processes: int, run_dir: Path, python: str = sys.executable) -> list[str]:
     """PyTorch's own launcher on this machine: `processes` workers, rendezvous on a free local port."""
     return [
-        *torchrun_options(python), "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes),
-        "--log-dir", str(run_dir / "ranks"), "-m", LOOP_MODULE, str(run_dir),
+        python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes),
+        *torchrun_tail(run_dir),
     ]
 
 
@@ -44,9 +45,8 @@ def torchrun_node(
     must pass the same `job_id`.
     """
     return [
-        *torchrun_options(python), "--nnodes", str(nodes), "--nproc-per-node", str(per_node),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id,
-        "--log-dir", str(run_dir / "ranks"), "-m", LOOP_MODULE, str(run_dir),
+        python, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(per_node),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id, *torchrun_tail(run_dir),
     ]
 
 

@@ -54,8 +54,8 @@ def test_sbatch_script_runs_offline_in_the_image():
 def test_torchrun_node_joins_the_c10d_rendezvous():
     command = launch.torchrun_node(2, 4, "node0:29400", "job7", Path("/runs/x"), python="python")
     assert command == [
-        "python", "-m", "torch.distributed.run", "--max-restarts", "0", "--tee", "3", "--nnodes", "2",
-        "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", "job7",
+        "python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "node0:29400", "--rdzv-id", "job7", "--max-restarts", "0", "--tee", "3",
         "--log-dir", "/runs/x/ranks", "-m", "repro.loop", "/runs/x",
     ]
 

@@ -39,7 +39,7 @@ def record(uri: str, cell: Cell) -> None:
     if spec is None:
         return
     tags = {"repro.recipe_sha256": cell.recipe.fingerprint()}
-    run = tracking.Run(uri, "table2-test", cell.label, tags, {})
+    run = tracking.Run.create(uri, "table2-test", cell.label, tags, {})
     if spec == "FAILED":
         run.end("FAILED", "exit code 1; last output:\nRuntimeError: rank 1 ran out of memory")
         return

@@ -22,4 +22,4 @@ rdzv_port=$((20000 + SLURM_JOB_ID % 20000))
 # the follower starts the job steps and records the run in MLflow (only it logs)
 /opt/repro/.venv/bin/python -m repro.cli attach /scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000 -- \
     srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    /opt/repro/.venv/bin/python -m torch.distributed.run --max-restarts 0 --tee 3 --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "$head_node:$rdzv_port" --rdzv-id "$SLURM_JOB_ID" --log-dir /scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000/ranks -m repro.loop /scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000
+    /opt/repro/.venv/bin/python -m torch.distributed.run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "$head_node:$rdzv_port" --rdzv-id "$SLURM_JOB_ID" --max-restarts 0 --tee 3 --log-dir /scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000/ranks -m repro.loop /scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000
