@@ -104,7 +104,8 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
     except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, runner.LaunchError) as error:
         fail(str(error))
     if outcome.status == "KILLED":
-        fail(f"run stopped; continue it with: repro run ... --resume {outcome.run_dir}", outcome.returncode or 1)
+        fail(f"run stopped; output kept in {outcome.run_dir}; continue it with --resume {outcome.run_dir}",
+             outcome.returncode or 1)
     if outcome.returncode:
         fail(f"run ended with exit code {outcome.returncode}; output kept in {outcome.run_dir}", outcome.returncode)
     if outcome.run_id and launcher == "local":
