@@ -42,8 +42,11 @@ ROOT_CAUSE_HEADING = "Root Cause (first observed failure)"
 ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
-class LaunchError(RuntimeError):
-    """Launching options that cannot work together, or a run that cannot be resumed; says what to do."""
+class LaunchError(registry.Unavailable):
+    """Launching options that cannot work together, or a run that cannot be resumed; says what to do.
+
+    A kind of Unavailable: whoever skips runs that cannot start here (the table2 matrix skips cells
+    of several nodes on one machine) skips these too."""
 
 
 @dataclass
