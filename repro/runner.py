@@ -221,6 +221,35 @@ def refuse_if_different(recipe: Recipe, run_dir: Path) -> None:
         raise LaunchError(f"{run_dir}: the recipe differs from the run's in {shown}; the run needs the same recipe")
 
 
+def new_run(
+    recipe: Recipe, options: Launch, uri: str, experiment: str, data_dir: Path, data_sha: str,
+) -> tuple[Path, tracking.Run, dict]:
+    """A new run folder and MLflow run; RUN_DIR/run.json tells every rank of every node the recipe and run id."""
+    run_dir = new_run_dir(recipe, options.run_dir)
+    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha), recipe.flat())
+    spec = {
+        "recipe": recipe.to_dict(), "data_dir": str(data_dir.resolve()), "data_sha256": data_sha,
+        "tracking_uri": uri, "mlflow_run_id": run.run_id,
+    }
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    checkpoint.atomic_write_text(run_dir / RUN_FILE, json.dumps(spec, indent=2))
+    run.log_artifact(run_dir / "recipe.yaml")
+    run.log_dict(doctor.report(), "environment.json")
+    run.log_dict(doctor.packages(), "packages.json")
+    return run_dir, run, spec
+
+
+def continue_run(recipe: Recipe, wanted: str) -> tuple[Path, tracking.Run, dict]:
+    """A stopped run's folder and its MLflow run, running again and tagged as resumed."""
+    run_dir = find_resumable(recipe, wanted)
+    refuse_if_different(recipe, run_dir)
+    spec = read_spec(run_dir)
+    run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"])
+    run.set_tag("repro.resumed", "true")
+    run.set_tag("repro.resumed_from_step", str(checkpoint.latest(run_dir)[1].step))
+    return run_dir, run, spec
+
+
 def execute(
     recipe: Recipe, uri: str, experiment: str, options: Launch = Launch(), echo: Callable[[str], None] = print,
     progress: bool = True,
@@ -238,24 +267,9 @@ def execute(
     if options.node_rank:
         return join(recipe, options, echo)
     if options.resume:
-        run_dir = find_resumable(recipe, options.resume)
-        refuse_if_different(recipe, run_dir)
-        spec = read_spec(run_dir)
-        run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"])
-        run.set_tag("repro.resumed", "true")
-        run.set_tag("repro.resumed_from_step", str(checkpoint.latest(run_dir)[1].step))
+        run_dir, run, spec = continue_run(recipe, options.resume)
     else:
-        run_dir = new_run_dir(recipe, options.run_dir)
-        run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha), recipe.flat())
-        spec = {
-            "recipe": recipe.to_dict(), "data_dir": str(data_dir.resolve()), "data_sha256": data_sha,
-            "tracking_uri": uri, "mlflow_run_id": run.run_id,  # every rank of every node can read the run id
-        }
-        (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        checkpoint.atomic_write_text(run_dir / RUN_FILE, json.dumps(spec, indent=2))
-        run.log_artifact(run_dir / "recipe.yaml")
-        run.log_dict(doctor.report(), "environment.json")
-        run.log_dict(doctor.packages(), "packages.json")
+        run_dir, run, spec = new_run(recipe, options, uri, experiment, data_dir, data_sha)
     if options.launcher == "slurm":
         return submit(slurm_job(recipe, options, run_dir, data_dir, spec["tracking_uri"]), run, echo)
     command = command_for(recipe, options, run_dir)
