@@ -54,10 +54,26 @@ def main() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a recipe field, e.g. --set train.batch_per_gpu=8 --set zero.stage=3.")
 @click.option("--allow-unverified", is_flag=True, help="Run on data that fails verification (recorded on the run).")
-@click.option("--dry-run", is_flag=True, help="Resolve and check everything, print the launch command, run nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Resolve and check everything, print the launch command (or batch script), run nothing.")
+@click.option("--launcher", type=click.Choice(("local", "slurm")), default="local", show_default=True,
+              help="local: torchrun on this machine (one node of the job); slurm: write and submit an sbatch script.")
+@click.option("--resume", is_flag=False, flag_value="latest", metavar="[RUN_DIR]",
+              help="Continue a stopped run from its last checkpoint, in the same MLflow run "
+                   "(alone: the newest run folder of this recipe).")
+@click.option("--image", help="Apptainer image the SLURM job's workers run in (apptainer exec --nv IMAGE).")
+@click.option("--time", "time_limit", help="SLURM time limit, e.g. 04:00:00 (ranks save and stop 2 minutes before).")
+@click.option("--partition", help="SLURM partition.")
+@click.option("--node-rank", type=int, default=0, show_default=True,
+              help="Without SLURM, this machine's place in a job of --nodes N; only node 0 records the run.")
+@click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Without SLURM, the first node's rendezvous address.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Run folder (default: a new one under runs/); a job of several nodes needs one they share.")
 def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_file: Path | None, seed: int | None,
         epochs: int | None, max_steps: int | None, tracking_uri: str | None, experiment: str,
-        overrides: tuple[str, ...], allow_unverified: bool, dry_run: bool) -> None:
+        overrides: tuple[str, ...], allow_unverified: bool, dry_run: bool, launcher: str, resume: str | None,
+        image: str | None, time_limit: str | None, partition: str | None, node_rank: int,
+        rdzv_endpoint: str | None, run_dir: Path | None) -> None:
     """Train MODEL (vgg16 or gpt2) with one framework and record the run in MLflow.
 
     \b
@@ -65,6 +81,8 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
       repro run gpt2 --framework ddp --gpus 2 --max-steps 20
       repro run gpt2 --framework zero --gpus 8 --scale paper --set zero.stage=3
       repro run vgg16 --framework torchgpipe --gpus 4 --dry-run
+      repro run gpt2 --framework zero --gpus 64 --nodes 16 --scale paper --launcher slurm --image repro.sif
+      repro run gpt2 --framework ddp --gpus 2 --max-steps 20 --resume
     """
     from repro import recipe as recipes
     from repro import runner, tracking
@@ -81,13 +99,27 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
         resolved = recipes.load_file(path, [*cli_fields, *overrides])
         if resolved.workload != model:
             fail(f"{path}: workload: the recipe is for {resolved.workload!r}, not {model!r}")
-        outcome = runner.execute(resolved, tracking.tracking_uri(tracking_uri), experiment, dry_run)
-    except (RecipeError, DataError, registry.UnknownName, registry.Unavailable) as error:
+        options = runner.Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition, dry_run)
+        outcome = runner.execute(resolved, tracking.tracking_uri(tracking_uri), experiment, options)
+    except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, runner.LaunchError) as error:
         fail(str(error))
+    if outcome.status == "KILLED":
+        fail(f"run stopped; output kept in {outcome.run_dir}; continue it with --resume {outcome.run_dir}",
+             outcome.returncode or 1)
     if outcome.returncode:
-        fail(f"run failed (exit code {outcome.returncode}); output kept in {outcome.run_dir}", outcome.returncode)
-    if outcome.run_id:
+        fail(f"run ended with exit code {outcome.returncode}; output kept in {outcome.run_dir}", outcome.returncode)
+    if outcome.run_id and launcher == "local":
         click.echo(f"run {outcome.run_id} finished; files in {outcome.run_dir}", err=True)
+
+
+@main.command(hidden=True, context_settings={"ignore_unknown_options": True})
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def attach(run_dir: Path, command: tuple[str, ...]) -> None:
+    """Run COMMAND (a job's steps) and record it in RUN_DIR's MLflow run: the SLURM batch script's follower."""
+    from repro import runner
+
+    sys.exit(runner.attach(run_dir, list(command)))
 
 
 @main.command()

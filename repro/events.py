@@ -18,6 +18,9 @@ STEP = "step"
 EPOCH = "epoch"
 MEMORY = "memory"
 END = "end"
+CHECKPOINT = "checkpoint"  # a complete checkpoint was made current
+INTERRUPTED = "interrupted"  # a stop signal: every rank saved and stopped; the run can be resumed
+RESUME = "resume"  # training continues from a checkpoint
 
 # metric keys, as they appear in MLflow
 TRAIN_LOSS = "train/loss"

@@ -1,18 +1,38 @@
-"""Command lines, built by pure functions so they can be printed (--dry-run) and tested."""
+"""Command lines and job scripts, built by pure functions so they can be printed (--dry-run) and tested.
+
+Every job runs PyTorch's own launcher (torchrun), one per node. On one machine it rendezvouses on
+a free local port; across nodes the launchers join a c10d rendezvous hosted at the first node. On
+SLURM, an sbatch script starts one srun task per node, each running torchrun (inside
+`apptainer exec --nv` when an image is given), under a follower that feeds the job's events to
+MLflow from the batch node.
+"""
 from __future__ import annotations
 
+import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 LOOP_MODULE = "repro.loop"
+RDZV_BASE_PORT = 20000
+RDZV_PORT_SPAN = 20000
+# torchrun forwards these to its workers before stopping them; by default SIGUSR1 would kill it
+# outright, leaving the workers no time to save (see repro.loop.STOP_SIGNALS).
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+OFFLINE_VARIABLES = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def torchrun_tail(run_dir: Path) -> list[str]:
+    """What every torchrun of a run shares: no restarts (a failed rank ends the job), each worker's
+    lines prefixed with its rank and kept per rank in RUN_DIR/ranks, and the loop as the program."""
+    return ["--max-restarts", "0", "--tee", "3", "--log-dir", str(run_dir / "ranks"), "-m", LOOP_MODULE, str(run_dir)]
 
 
 def torchrun_local(processes: int, run_dir: Path, python: str = sys.executable) -> list[str]:
     """PyTorch's own launcher on this machine: `processes` workers, rendezvous on a free local port."""
     return [
-        python, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes), "--max-restarts", "0",
-        "-m", LOOP_MODULE, str(run_dir),
+        python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes),
+        *torchrun_tail(run_dir),
     ]
 
 
@@ -41,3 +61,79 @@ def lbann_launcher(choice: str, environ: dict[str, str]) -> str:
     if choice != "auto":
         return choice
     return "slurm" if "SLURM_JOB_ID" in environ else "mpirun"
+
+
+def torchrun_node(
+    nodes: int, per_node: int, endpoint: str, job_id: str, run_dir: Path, python: str = sys.executable,
+) -> list[str]:
+    """The launcher of one node of a multi-node job: it joins the c10d rendezvous at `endpoint` (HOST:PORT).
+
+    The rendezvous, not the node's place on the command line, assigns global ranks; every node
+    must pass the same `job_id`.
+    """
+    return [
+        python, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(per_node),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id, *torchrun_tail(run_dir),
+    ]
+
+
+def rendezvous_port(job_id: int) -> int:
+    """A port that differs between jobs sharing a node (same formula as the sbatch script's)."""
+    return RDZV_BASE_PORT + job_id % RDZV_PORT_SPAN
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    processes_per_node: int
+    run_dir: Path
+    data_root: Path
+    tracking_uri: str
+    python: str  # the follower's interpreter, on the batch node (the environment that submitted)
+    image: str | None = None  # Apptainer image the workers run in
+    time: str | None = None
+    partition: str | None = None
+    stop_warning_s: int = 120  # SIGUSR1 this long before the time limit: every rank saves and stops
+
+
+def sbatch_script(job: SlurmJob) -> str:
+    """The batch script of a multi-node job; compute nodes need no internet (data is pre-staged)."""
+    run_dir = str(job.run_dir)
+    directives = [
+        f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
+        f"--gpus-per-node={job.gpus_per_node}", f"--output={run_dir}/slurm-%j.out",
+        f"--signal=USR1@{job.stop_warning_s}",
+    ]
+    directives += [f"--time={job.time}"] * bool(job.time) + [f"--partition={job.partition}"] * bool(job.partition)
+    container = []
+    if job.image:
+        container = ["apptainer", "exec", "--nv", "--bind", f"{run_dir},{job.data_root}", job.image]
+    worker_python = "python" if job.image else job.python
+    torchrun = torchrun_node(job.nodes, job.processes_per_node, '"$head_node:$rdzv_port"', '"$SLURM_JOB_ID"',
+                             job.run_dir, worker_python)
+    srun = ["srun", f"--nodes={job.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    follower = [job.python, "-m", "repro.cli", "attach", run_dir, "--"]
+    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -euo pipefail", ""]
+    lines += ["# compute nodes are offline: libraries must not try the network; data is pre-staged"]
+    lines += [f"export {name}=1" for name in OFFLINE_VARIABLES]
+    lines += [
+        f"export REPRO_DATA={shlex.quote(str(job.data_root))}",
+        f"export MLFLOW_TRACKING_URI={shlex.quote(job.tracking_uri)}",
+        f"export TORCHELASTIC_SIGNALS_TO_HANDLE={TORCHRUN_SIGNALS}",
+        "",
+        "# the c10d rendezvous is hosted by the first node, on a port derived from the job id",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        f"rdzv_port=$(({RDZV_BASE_PORT} + SLURM_JOB_ID % {RDZV_PORT_SPAN}))",
+        "",
+        "# the follower starts the job steps and records the run in MLflow (only it logs)",
+        " \\\n    ".join(" ".join(map(quote_unless_expanded, part)) for part in (follower, srun, container, torchrun) if part),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def quote_unless_expanded(word: str) -> str:
+    """Shell-quote a word, except those written as a double-quoted shell expansion ("$head_node:...")."""
+    return word if word.startswith('"$') else shlex.quote(word)

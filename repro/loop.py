@@ -7,8 +7,10 @@ appends structured events to RUN_DIR/events.jsonl; the parent process turns them
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -17,12 +19,13 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from repro import events, registry, seeding
+from repro import checkpoint, events, registry, seeding
 from repro.adapters.base import Adapter, RunContext
 from repro.metrics import Timer, device_name, device_used_bytes, peak_memory_bytes
 from repro.recipe import Recipe, resolve
 
 RUN_FILE = "run.json"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption and SLURM's warning before the time limit
 
 
 class GlobalBatches(torch.utils.data.Sampler):
@@ -32,21 +35,24 @@ class GlobalBatches(torch.utils.data.Sampler):
     difference in loss is a difference between frameworks, not between data orders.
     """
 
-    def __init__(self, size: int, global_batch: int, shard: tuple[int, int], seed: int, epoch: int = 0):
+    def __init__(
+        self, size: int, global_batch: int, shard: tuple[int, int], seed: int, epoch: int = 0, skip: int = 0,
+    ):
         index, count = shard
         if global_batch % count:
             raise ValueError(f"global batch {global_batch} does not split into {count} equal shards")
         self.size, self.global_batch, self.seed, self.epoch = size, global_batch, seed, epoch
+        self.skip = skip  # batches of this epoch already trained (resuming mid-epoch)
         self.per_shard = global_batch // count
         self.offset = index * self.per_shard
 
     def __len__(self) -> int:
-        return self.size // self.global_batch
+        return self.size // self.global_batch - self.skip
 
     def __iter__(self) -> Iterator[list[int]]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.size, generator=generator)
-        for step in range(len(self)):
+        for step in range(self.skip, self.size // self.global_batch):
             start = step * self.global_batch + self.offset
             yield order[start : start + self.per_shard].tolist()
 
@@ -116,6 +122,9 @@ class Trainer:
         self.global_batch = type(self.adapter).global_batch(recipe)
         self.reporting = rank == self.adapter.reporting_rank
         self.writer = events.EventWriter(run_dir / events.EVENTS_FILE) if self.reporting else None
+        self.stop_signal: signal.Signals | None = None
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self.on_signal)
 
     def emit(self, kind: str, **fields: object) -> None:
         if self.writer:
@@ -124,9 +133,10 @@ class Trainer:
     def loader(self, dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.recipe.data.workers)
 
-    def train_loader(self, epoch: int) -> torch.utils.data.DataLoader:
+    def train_loader(self, epoch: int, skip: int = 0) -> torch.utils.data.DataLoader:
         shard, seed = self.adapter.data_shard(), self.ctx.seeds["data_order"]
-        return self.loader(self.train_set, GlobalBatches(len(self.train_set), self.global_batch, shard, seed, epoch))
+        sampler = GlobalBatches(len(self.train_set), self.global_batch, shard, seed, epoch, skip)
+        return self.loader(self.train_set, sampler)
 
     def validate(self) -> dict[str, float]:
         sampler = EvenShard(len(self.val_set), self.adapter.data_shard(), self.recipe.train.batch_per_gpu)
@@ -153,7 +163,8 @@ class Trainer:
             dist.all_gather_object(ranks, mine)
         return {"ranks": ranks}
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Train to the end (0), or until a stop signal, after which every rank saves and returns 128+signal."""
         recipe = self.recipe
         steps_per_epoch = len(self.train_loader(0))
         if steps_per_epoch == 0:
@@ -161,38 +172,96 @@ class Trainer:
                 f"{recipe.source}: train.batch_per_gpu: the global batch ({self.global_batch}) is larger than "
                 f"the training set ({len(self.train_set)} samples)"
             )
-        self.emit(
-            events.START, seeds=self.ctx.seeds, world=self.ctx.world, device=str(self.device),
-            device_name=device_name(self.device),
-            global_batch=self.global_batch, steps_per_epoch=steps_per_epoch, epochs=recipe.train.epochs,
-            max_steps=recipe.train.max_steps, train_samples=len(self.train_set), val_samples=len(self.val_set),
-            adapter=self.adapter.facts(),
-        )
-        step, elapsed = 0, 0.0
-        for epoch in range(recipe.train.epochs):
-            epoch_steps = 0
+        at = self.restore()
+        if at.step:
+            self.emit(events.RESUME, step=at.step, epoch=at.epoch, epoch_step=at.epoch_step, elapsed_s=at.elapsed_s)
+        else:
+            self.emit(
+                events.START, seeds=self.ctx.seeds, world=self.ctx.world, device=str(self.device),
+                device_name=device_name(self.device),
+                global_batch=self.global_batch, steps_per_epoch=steps_per_epoch, epochs=recipe.train.epochs,
+                max_steps=recipe.train.max_steps, train_samples=len(self.train_set), val_samples=len(self.val_set),
+                adapter=self.adapter.facts(),
+            )
+        for epoch in range(at.epoch, recipe.train.epochs):
+            if self.done(at):
+                break
             with Timer(self.device) as timer:
-                for inputs, targets in self.train_loader(epoch):
+                for inputs, targets in self.train_loader(epoch, at.epoch_step):
                     loss = self.adapter.train_step(inputs, targets)
-                    step, epoch_steps = step + 1, epoch_steps + 1
-                    if step % recipe.train.log_every == 0:
-                        self.emit(events.STEP, step=step, epoch=epoch, loss=loss)
-                    if recipe.train.max_steps and step >= recipe.train.max_steps:
+                    at.step, at.epoch_step = at.step + 1, at.epoch_step + 1
+                    if at.step % recipe.train.log_every == 0:
+                        self.emit(events.STEP, step=at.step, epoch=epoch, loss=loss)
+                    if self.done(at):
                         break
+                    if self.stop_requested():
+                        at.epoch_s += timer.seconds_so_far()
+                        self.save(at)
+                        self.emit(events.INTERRUPTED, signal=self.stop_signal.name, step=at.step, epoch=epoch)
+                        return 128 + self.stop_signal
                 self.adapter.end_epoch()
-            elapsed += timer.seconds
-            samples = epoch_steps * self.global_batch
+            at.epoch_s += timer.seconds
+            at.elapsed_s += at.epoch_s
+            samples = at.epoch_step * self.global_batch
             metrics = self.validate()
             memory = self.memory()
             self.emit(
-                events.EPOCH, epoch=epoch, step=step, epoch_s=timer.seconds, elapsed_s=elapsed,
-                samples=samples, samples_per_s=samples / timer.seconds, val=metrics, **memory,
+                events.EPOCH, epoch=epoch, step=at.step, epoch_s=at.epoch_s, elapsed_s=at.elapsed_s,
+                samples=samples, samples_per_s=samples / at.epoch_s, val=metrics, **memory,
             )
-            if recipe.train.max_steps and step >= recipe.train.max_steps:
-                break
-        self.emit(events.END, step=step, elapsed_s=elapsed)
+            at.epoch, at.epoch_step, at.epoch_s = epoch + 1, 0, 0.0
+            self.save(at)
+        self.emit(events.END, step=at.step, elapsed_s=at.elapsed_s)
+        return 0
 
-    def close(self) -> None:
+    def done(self, at: checkpoint.Position) -> bool:
+        return bool(self.recipe.train.max_steps and at.step >= self.recipe.train.max_steps)
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        self.stop_signal = signal.Signals(signum)
+
+    def stop_requested(self) -> bool:
+        """Whether any rank has been asked to stop; every rank must agree to stop at the same step."""
+        flag = torch.tensor([int(self.stop_signal or 0)], device=self.device)
+        if dist.is_initialized() and self.ctx.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not self.stop_signal:
+            self.stop_signal = signal.Signals(int(flag.item()))
+        return bool(flag.item())
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and self.ctx.world > 1:
+            dist.barrier()
+
+    def save(self, at: checkpoint.Position) -> None:
+        """Every rank writes its part; rank 0 makes the checkpoint current once all have finished."""
+        folder = checkpoint.folder_for(self.run_dir, at.step)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.adapter.save_checkpoint(folder)
+        state = {"position": dataclasses.asdict(at), "rng": checkpoint.rng_state()}
+        checkpoint.atomic_torch_save(state, folder / f"loop-rank{self.ctx.rank}.pt")
+        self.barrier()
+        if self.ctx.rank == 0:
+            checkpoint.publish(self.run_dir, folder, at)
+        self.emit(events.CHECKPOINT, step=at.step, epoch=at.epoch, folder=str(folder))
+
+    def restore(self) -> checkpoint.Position:
+        """Continue from the run's last complete checkpoint, if it has one."""
+        found = checkpoint.latest(self.run_dir)
+        if found is None:
+            return checkpoint.Position()
+        folder, position = found
+        self.adapter.load_checkpoint(folder)
+        state = torch.load(folder / f"loop-rank{self.ctx.rank}.pt", weights_only=False)
+        checkpoint.restore_rng(state["rng"])
+        return position
+
+    def close(self, clean: bool) -> None:
+        """Release the framework and the process group. After a clean run every rank first waits for
+        the others: a rank that tears down while a peer still has communication in flight aborts
+        that peer (seen as SIGABRT at exit under DeepSpeed and PipeDream on gloo)."""
+        if clean:
+            self.barrier()
         self.adapter.teardown()
         if self.writer:
             self.writer.close()
@@ -205,10 +274,13 @@ def main(run_dir: str) -> None:
     spec = json.loads((run_dir_path / RUN_FILE).read_text())
     recipe = resolve(spec["recipe"], spec["recipe"]["source"])
     trainer = Trainer(recipe, run_dir_path, Path(spec["data_dir"]))
+    clean = False
     try:
-        trainer.run()
+        code = trainer.run()
+        clean = True
     finally:
-        trainer.close()
+        trainer.close(clean)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,11 @@ class Timer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.seconds = self.seconds_so_far()
+
+    def seconds_so_far(self) -> float:
         synchronize(self.device)
-        self.seconds = time.perf_counter() - self.start
+        return time.perf_counter() - self.start
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:

@@ -205,6 +205,12 @@ def check(recipe: Recipe, source: str) -> None:
     adapter.check(recipe, source)
 
 
+def differing_fields(before: Recipe, after: Recipe) -> list[str]:
+    """Dotted names of the fields whose values differ between two recipes (what changes a fingerprint)."""
+    old, new = before.flat(), after.flat()
+    return sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+
+
 def load_file(path: Path | str, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
     if not path.is_file():

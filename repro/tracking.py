@@ -1,16 +1,23 @@
 """MLflow: the only module that imports it. One rank's events become one MLflow run."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import json
 import os
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from repro import events
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "repro"
 TAG_PREFIX = "repro."
+RETRIES = 12
+SQLITE_PREFIX = "sqlite:///"
+TRANSIENT_SIGNS = ("database is locked", "database table is locked")
 
 
 def tracking_uri(explicit: str | None = None) -> str:
@@ -18,14 +25,57 @@ def tracking_uri(explicit: str | None = None) -> str:
     return explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
 
 
+def transient(error: Exception) -> bool:
+    """Errors a concurrent writer causes on a shared sqlite store; trying again succeeds."""
+    text = str(error)
+    return any(sign in text for sign in TRANSIENT_SIGNS)
+
+
+def with_retries(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call`, tried again with growing pauses while the store is locked by another writer."""
+    for attempt in range(RETRIES):
+        try:
+            return call(*args, **kwargs)
+        except Exception as error:  # mlflow wraps sqlalchemy's OperationalError in several ways
+            if attempt == RETRIES - 1 or not transient(error):
+                raise
+            time.sleep(min(0.1 * 2**attempt, 5.0))
+
+
+@contextlib.contextmanager
+def store_creation_lock(uri: str) -> Iterator[None]:
+    """Held while opening a sqlite store: MLflow creates a new store's tables on first use, and two
+    processes doing so at once fail ("table experiments already exists")."""
+    if not uri.startswith(SQLITE_PREFIX):
+        yield
+        return
+    database = Path(uri[len(SQLITE_PREFIX):])
+    with open(database.with_name(database.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+class RetryingClient:
+    """An MlflowClient whose every call is retried on transient store errors (see with_retries)."""
+
+    def __init__(self, uri: str):
+        from mlflow.tracking import MlflowClient
+
+        with store_creation_lock(uri):
+            self.inner = MlflowClient(tracking_uri=uri)
+            with_retries(self.inner.search_experiments, max_results=1)  # opens (and if new, creates) the store
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.inner, name)
+        return functools.partial(with_retries, attribute) if callable(attribute) else attribute
+
+
 def client(uri: str) -> Any:
     import logging
 
-    from mlflow.tracking import MlflowClient
-
     logging.getLogger("alembic").setLevel(logging.WARNING)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
-    return MlflowClient(tracking_uri=uri)
+    return RetryingClient(uri)
 
 
 def experiment_id(mlflow_client: Any, name: str) -> str:
@@ -59,18 +109,29 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
 
 
 class Run:
-    """An MLflow run fed from the events file of one training job."""
+    """An MLflow run fed from the events file of one training job (only the job's follower logs)."""
 
-    def __init__(self, uri: str, experiment: str, name: str, tags: dict[str, str], params: dict[str, str]):
+    def __init__(self, mlflow_client: Any, run_id: str):
+        self.client, self.run_id = mlflow_client, run_id
+
+    @classmethod
+    def create(cls, uri: str, experiment: str, name: str, tags: dict[str, str], params: dict[str, str]) -> "Run":
         from mlflow.entities import Param, RunTag
 
-        self.client = client(uri)
-        self.run_id = self.client.create_run(experiment_id(self.client, experiment), run_name=name).info.run_id
-        self.client.log_batch(
-            self.run_id,
-            tags=[RunTag(k, str(v)) for k, v in tags.items()],
+        mlflow_client = client(uri)
+        run_id = mlflow_client.create_run(experiment_id(mlflow_client, experiment), run_name=name).info.run_id
+        mlflow_client.log_batch(
+            run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()],
             params=[Param(k, v[:6000]) for k, v in params.items()],
         )
+        return cls(mlflow_client, run_id)
+
+    @classmethod
+    def reopen(cls, uri: str, run_id: str) -> "Run":
+        """An existing run, marked running again (a resumed or a queued job continues it)."""
+        run = cls(client(uri), run_id)
+        run.client.update_run(run_id, status="RUNNING")
+        return run
 
     def log_events(self, new_events: list[dict[str, Any]]) -> None:
         from mlflow.entities import Metric, Param, RunTag

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ class Result:
         return Path(found.group(1))
 
     def events(self) -> list[dict]:
-        return [json.loads(line) for line in (self.run_dir / "events.jsonl").read_text().splitlines()]
+        return read_events(self.run_dir)
 
     def losses(self) -> list[float]:
         return [e["loss"] for e in self.events() if e["event"] == "step"]
@@ -50,14 +51,61 @@ class Repro:
         )
         return Result(out.returncode, out.stdout, out.stderr, self.cwd)
 
+    def start(self, *args: str, log: str = "output.txt") -> subprocess.Popen:
+        """`repro ARGS` in the background, its output going to the file `log` in the scratch folder."""
+        with open(self.cwd / log, "w") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "repro.cli", *args], cwd=self.cwd, env=self.env,
+                stdout=out, stderr=subprocess.STDOUT, text=True,
+            )
+
     @property
     def tracking_uri(self) -> str:
         return self.env["MLFLOW_TRACKING_URI"]
 
 
+def read_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for_event(
+    runs: Path, kind: str, process: subprocess.Popen, timeout: float = 300, **fields: object,
+) -> tuple[Path, dict]:
+    """(run folder, event): the first event of `kind` with `fields` that `process` writes in a run under `runs`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        for run_dir in runs.glob("*"):
+            for event in read_events(run_dir):
+                if event["event"] == kind and all(event.get(k) == v for k, v in fields.items()):
+                    return run_dir, event
+        time.sleep(0.1)
+    raise TimeoutError(f"no {kind} event with {fields} under {runs} (exit code {process.poll()}, {timeout} s)")
+
+
 @pytest.fixture
 def repro(tmp_path: Path) -> Repro:
     return Repro(tmp_path)
+
+
+def framework_params(*names: str) -> list:
+    """pytest params over frameworks, skipped with the reason where one cannot run in this checkout."""
+    import importlib.util
+
+    from repro import registry
+
+    params = []
+    for name in names:
+        entry = registry.FRAMEWORKS[name]
+        reason = None
+        if importlib.util.find_spec(entry.adapter.partition(":")[0]) is None:
+            reason = "adapter not in this branch"
+        elif entry.missing():
+            reason = f"needs {', '.join(entry.missing())}"
+        params.append(pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
+    return params
 
 
 @pytest.fixture(scope="module")

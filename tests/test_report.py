@@ -39,7 +39,9 @@ def record(uri: str, cell: Cell) -> None:
     if spec is None:
         return
     tags = {"repro.recipe_sha256": cell.recipe.fingerprint()}
-    run = tracking.Run(uri, "table2-test", cell.label, tags, {})
+    if (cell.row, cell.gpus) == ("ddp", 2):
+        tags["repro.resumed_from_step"] = "64"  # stopped and continued: the report says so
+    run = tracking.Run.create(uri, "table2-test", cell.label, tags, {})
     if spec == "FAILED":
         run.end("FAILED", "exit code 1; last output:\nRuntimeError: rank 1 ran out of memory")
         return
@@ -81,6 +83,7 @@ def test_results_table_carries_the_recorded_numbers(report: Path) -> None:
     assert float(ddp4["time_to_target_s"]) == 9.0  # perplexity <= 30 first at epoch 3 (32 at epoch 2)
     assert float(table[("ddp", 1)]["time_to_target_s"]) == 20.0
     assert table[("pipedream", 2)]["time_to_target_s"] == ""  # never reaches 30
+    assert table[("ddp", 2)]["note"] == "resumed from step 64" and table[("ddp", 4)]["note"] == ""
 
 
 def test_failed_missing_and_skipped_cells_are_shown_not_fatal(report: Path) -> None:

@@ -3,8 +3,8 @@
 The cut follows where frameworks really differ (see ../shared/docs/STYLE.md): an adapter builds
 model and optimizer together, runs one whole training step (forward, backward, optimizer step)
 because DeepSpeed and pipeline schedules fuse them, evaluates one batch, says which rank reports
-the loss and which shard of each global batch its rank consumes, and counts the model state its
-rank holds. The training loop (repro.loop) never branches on the framework.
+the loss and which shard of each global batch its rank consumes, counts the model state its
+rank holds, and saves and restores its training state in its framework's own way. The training loop (repro.loop) never branches on the framework.
 """
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from repro import launch, registry
+from repro import launch
+from repro.checkpoint import atomic_torch_save
 from repro.metrics import model_state
 from repro.recipe import FrameworkOptions, Recipe
 from repro.workloads import Workload
+
+ADAPTER_STATE_FILE = "adapter.pt"
 
 
 @dataclass
@@ -54,17 +57,17 @@ class Adapter:
         """Raise RecipeError (naming the field) when the recipe cannot run under this framework."""
 
     @classmethod
-    def command(cls, recipe: Recipe, run_dir: Path) -> list[str]:
-        """The job's command line: PyTorch's launcher starting repro.loop in every process.
+    def command(cls, recipe: Recipe, run_dir: Path, rdzv_endpoint: str | None = None) -> list[str]:
+        """This node's command line: PyTorch's launcher starting repro.loop in every process, joined
+        to the other nodes' launchers through the c10d rendezvous at `rdzv_endpoint` (HOST:PORT).
 
         A framework with its own runtime (LBANN) returns the command of its own driver instead,
         which must write the same events (repro.events) into `run_dir`.
         """
-        if recipe.run.nodes > 1:
-            raise registry.Unavailable(
-                f"--nodes {recipe.run.nodes}: the local launcher runs on one machine; use --nodes 1"
-            )
-        return launch.torchrun_local(cls.processes(recipe), run_dir)
+        processes, nodes = cls.processes(recipe), recipe.run.nodes
+        if nodes == 1:
+            return launch.torchrun_local(processes, run_dir)
+        return launch.torchrun_node(nodes, processes // nodes, rdzv_endpoint, run_dir.name, run_dir)
 
     @classmethod
     def processes(cls, recipe: Recipe) -> int:
@@ -135,6 +138,21 @@ class Adapter:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_checkpoint(self, folder: Path) -> None:
+        """Write this rank's share of the training state into `folder` (called on every rank at once).
+
+        Data-parallel default: the state is replicated, so rank 0 writes `state_dict()` to one file,
+        atomically. Frameworks that shard or partition the state, or have their own checkpoint
+        format (DeepSpeed's save_checkpoint), override this and load_checkpoint; the loop makes
+        the folder current only after every rank has returned.
+        """
+        if self.ctx.rank == 0:
+            atomic_torch_save(self.state_dict(), folder / ADAPTER_STATE_FILE)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Restore what save_checkpoint wrote (called on every rank after setup)."""
+        self.load_state_dict(torch.load(folder / ADAPTER_STATE_FILE, map_location=self.ctx.device))
 
     def teardown(self) -> None:
         """Release framework resources (the loop destroys the process group afterwards)."""

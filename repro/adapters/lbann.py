@@ -79,7 +79,7 @@ class LBANNAdapter(Adapter):
             )
 
     @classmethod
-    def command(cls, recipe: Recipe, run_dir: Path) -> list[str]:
+    def command(cls, recipe: Recipe, run_dir: Path, rdzv_endpoint: str | None = None) -> list[str]:
         """LBANN's driver, one process: it launches the `lbann` ranks itself, with srun or mpirun."""
         return [sys.executable, "-m", DRIVER_MODULE, str(run_dir)]
 

@@ -32,7 +32,7 @@ def log_report_run(uri: str, experiment: str, scale: str, paths: list[Path], res
     """One MLflow run gathering the matrix: every report file, and the run id of each cell."""
     from repro import tracking
 
-    run = tracking.Run(uri, experiment, f"{REPORT_RUN}-{scale}", {"repro.report": "table2", "repro.scale": scale}, {})
+    run = tracking.Run.create(uri, experiment, f"{REPORT_RUN}-{scale}", {"repro.report": "table2", "repro.scale": scale}, {})
     for path in paths:
         run.log_artifact(path)
     run.log_dict({r.cell.label: {"status": r.status, "run_id": r.run_id} for r in results}, "cells.json")

@@ -25,6 +25,7 @@ class Result:
     peak_bytes: float | None = None
     model_state_bytes: float | None = None
     memory_method: str = ""
+    resumed_from_step: str = ""  # set when the run was stopped and continued from a checkpoint
 
     @property
     def ok(self) -> bool:
@@ -97,5 +98,6 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             peak_bytes=run.data.metrics.get(events.PEAK_MEMORY),
             model_state_bytes=run.data.metrics.get(events.MODEL_STATE),
             memory_method=run.data.tags.get("repro.memory_method", ""),
+            resumed_from_step=run.data.tags.get("repro.resumed_from_step", ""),
         ))
     return results

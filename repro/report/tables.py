@@ -22,6 +22,13 @@ def _mib(value: float | None) -> float | None:
     return None if value is None else value / 2**20
 
 
+def note(r: Result) -> str:
+    """Why a cell has no numbers, or that its times span a stop and a resume."""
+    if r.ok:
+        return f"resumed from step {r.resumed_from_step}" if r.resumed_from_step else ""
+    return r.error.strip().splitlines()[-1][:120] if r.error else r.status
+
+
 def result_rows(results: list[Result]) -> list[dict[str, Any]]:
     """One row per cell; speed-up is over the same framework row's smallest GPU count."""
     base = {}
@@ -37,7 +44,7 @@ def result_rows(results: list[Result]) -> list[dict[str, Any]]:
             "samples_per_s": r.mean_throughput, "peak_memory_mib": _mib(r.peak_bytes),
             "model_state_mib": _mib(r.model_state_bytes), "memory_method": r.memory_method,
             "final_metric": r.final_metric, "time_to_target_s": r.time_to_target(),
-            "note": "" if r.ok else r.error.strip().splitlines()[-1][:120] if r.error else r.status,
+            "note": note(r),
         })
     return rows
 

@@ -1,0 +1,28 @@
+#!/bin/bash
+#SBATCH --job-name=gpt2-zero-8g-paper-s1234
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --output=/scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000/slurm-%j.out
+#SBATCH --signal=USR1@120
+#SBATCH --time=04:00:00
+#SBATCH --partition=gpu
+set -euo pipefail
+
+# compute nodes are offline: libraries must not try the network; data is pre-staged
+export HF_DATASETS_OFFLINE=1
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export REPRO_DATA=/scratch/repro/data
+export MLFLOW_TRACKING_URI=http://mlflow.cluster:5000
+export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+
+# the c10d rendezvous is hosted by the first node, on a port derived from the job id
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+rdzv_port=$((20000 + SLURM_JOB_ID % 20000))
+
+# the follower starts the job steps and records the run in MLflow (only it logs)
+/opt/repro/.venv/bin/python -m repro.cli attach /scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000 -- \
+    srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    apptainer exec --nv --bind /scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000,/scratch/repro/data /scratch/images/repro.sif \
+    python -m torch.distributed.run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "$head_node:$rdzv_port" --rdzv-id "$SLURM_JOB_ID" --max-restarts 0 --tee 3 --log-dir /scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000/ranks -m repro.loop /scratch/repro/runs/gpt2-zero-8g-paper-s1234-20260101T000000000000

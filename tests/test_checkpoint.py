@@ -1,0 +1,38 @@
+"""Checkpoint folders and the data position: the pieces that make a resume continue exactly."""
+from __future__ import annotations
+
+import torch
+
+from repro import checkpoint
+from repro.loop import GlobalBatches
+
+
+def save(folder, value: float) -> None:
+    folder.mkdir(parents=True)
+    checkpoint.atomic_torch_save({"w": torch.full((2,), value)}, folder / "adapter.pt")
+
+
+def test_a_folder_counts_only_once_published(tmp_path):
+    assert checkpoint.latest(tmp_path) is None
+    first, second = checkpoint.folder_for(tmp_path, 8), checkpoint.folder_for(tmp_path, 16)
+    save(first, 1.0)
+    checkpoint.publish(tmp_path, first, checkpoint.Position(epoch=1, step=8))
+    save(second, 2.0)  # written, but not published: a crash here leaves the first one current
+    assert checkpoint.latest(tmp_path) == (first, checkpoint.Position(epoch=1, step=8))
+    checkpoint.publish(tmp_path, second, checkpoint.Position(epoch=2, step=16))
+    assert checkpoint.latest(tmp_path) == (second, checkpoint.Position(epoch=2, step=16))
+    assert not first.exists()
+    assert sorted(p.name for p in second.iterdir()) == ["adapter.pt"]  # no temporary file left behind
+
+
+def test_skipping_batches_resumes_the_same_epoch_order():
+    whole = list(GlobalBatches(64, 8, (1, 2), seed=5, epoch=3))
+    rest = GlobalBatches(64, 8, (1, 2), seed=5, epoch=3, skip=3)
+    assert len(rest) == 5 and list(rest) == whole[3:]
+
+
+def test_rng_states_round_trip():
+    state = checkpoint.rng_state()
+    drawn = torch.rand(3), torch.randn(2)
+    checkpoint.restore_rng(state)
+    assert all(torch.equal(a, b) for a, b in zip(drawn, (torch.rand(3), torch.randn(2))))

@@ -1,0 +1,66 @@
+"""Fault handling: a rank that dies ends the whole job within 60 s, leaves no process behind, fails the
+MLflow run naming the rank, and keeps the last good checkpoint; Ctrl-C ends the run as KILLED."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from conftest import mlflow_runs, wait_for_event
+
+# 64 steps an epoch: the second epoch is long enough to be interrupted in its middle
+RUN = ("run", "gpt2", "--gpus", "2", "--epochs", "2", "--set", "data.max_val_samples=32", "--run-dir", "runs/job")
+STEPS_PER_EPOCH = 1024 // 16
+
+
+def job_processes(job) -> list[psutil.Process]:
+    return psutil.Process(job.pid).children(recursive=True)
+
+
+def interrupt_mid_second_epoch(repro, job) -> list[psutil.Process]:
+    """Wait until the first epoch is checkpointed and the second is under way; return the job's processes."""
+    wait_for_event(repro.cwd / "runs", "checkpoint", job, step=STEPS_PER_EPOCH)
+    wait_for_event(repro.cwd / "runs", "step", job, step=STEPS_PER_EPOCH + 2)
+    return job_processes(job)
+
+
+def assert_nothing_left(processes: list[psutil.Process]) -> None:
+    gone, alive = psutil.wait_procs(processes, timeout=5)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_epoch_fails_the_run_within_60_s(repro):
+    job = repro.start(*RUN)
+    processes = interrupt_mid_second_epoch(repro, job)
+    (victim,) = [p for p in processes if p.environ().get("RANK") == "1" and "repro.loop" in p.cmdline()]
+    victim.kill()
+    assert job.wait(timeout=60) != 0  # the whole job ends within 60 s of the death of one rank
+    assert_nothing_left(processes)
+
+    (run,) = mlflow_runs(repro.tracking_uri)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["repro.failed_rank"] == "1"
+    assert run.data.tags["repro.error"].startswith("rank 1 (local rank 1) failed with exit code -9")
+
+    run_dir = repro.cwd / "runs" / "job"
+    pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert pointer["position"]["step"] == STEPS_PER_EPOCH and pointer["position"]["epoch"] == 1
+    state = torch.load(run_dir / "checkpoints" / pointer["folder"] / "adapter.pt")
+    assert state["model"] and all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_run_as_killed(repro):
+    job = repro.start(*RUN)
+    processes = interrupt_mid_second_epoch(repro, job)
+    job.send_signal(signal.SIGINT)
+    assert job.wait(timeout=60) != 0
+    assert_nothing_left(processes)
+    (run,) = mlflow_runs(repro.tracking_uri)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["repro.error"] == "stopped by SIGINT"
