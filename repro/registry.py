@@ -50,6 +50,7 @@ FRAMEWORKS: dict[str, FrameworkEntry] = {
             "lbann", "repro.adapters.lbann:LBANNAdapter", "data", ("lbann",), ("lbann",),
             install_hint=f"{IMAGE_HINT}, or build it with Spack: spack install lbann@0.104 +cuda +vision +pfe",
         ),
+        FrameworkEntry("fsdp", "repro.adapters.fsdp:FSDPAdapter", "data (fully sharded, FSDP2)"),
     )
 }
 
