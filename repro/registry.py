@@ -51,6 +51,9 @@ FRAMEWORKS: dict[str, FrameworkEntry] = {
             install_hint=f"{IMAGE_HINT}, or build it with Spack: spack install lbann@0.104 +cuda +vision +pfe",
         ),
         FrameworkEntry("fsdp", "repro.adapters.fsdp:FSDPAdapter", "data (fully sharded, FSDP2)"),
+        FrameworkEntry(
+            "torch-pipeline", "repro.adapters.torch_pipeline:TorchPipelineAdapter", "inter-layer (pipeline schedules)",
+        ),
     )
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,15 @@ from torch import nn
 from repro.metrics import model_state
 from repro.recipe import FrameworkOptions, Recipe
 from repro.workloads import Workload
+
+
+def parameter_users(modules: Sequence[nn.Module]) -> dict[nn.Parameter, set[int]]:
+    """Each parameter of `modules` -> the indices of the modules that hold it (tied weights have several)."""
+    users: dict[nn.Parameter, set[int]] = {}
+    for index, module in enumerate(modules):
+        for param in module.parameters():
+            users.setdefault(param, set()).add(index)
+    return users
 
 
 @dataclass

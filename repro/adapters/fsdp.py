@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from repro.adapters.base import Adapter
+from repro.adapters.base import Adapter, parameter_users
 from repro.metrics import optimizer_tensors, tensor_bytes
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe
@@ -39,15 +39,6 @@ class FSDPOptions(FrameworkOptions):
 def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """The part of a (D)Tensor that this rank stores."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def shared_parameter_children(model: nn.Sequential) -> set[int]:
-    """Indices of children that share a parameter with another child (these stay in the root unit)."""
-    owners: dict[int, set[int]] = {}
-    for index, child in enumerate(model):
-        for param in child.parameters():
-            owners.setdefault(id(param), set()).add(index)
-    return {index for users in owners.values() if len(users) > 1 for index in users}
 
 
 class FSDPAdapter(Adapter):
@@ -79,7 +70,7 @@ class FSDPAdapter(Adapter):
             reduce_dtype=DTYPES[self.options.reduce_dtype],
         )
         settings = {"mesh": self.mesh(), "reshard_after_forward": self.options.sharding != "grad-op", "mp_policy": policy}
-        shared = shared_parameter_children(model)
+        shared = {index for users in parameter_users(model).values() if len(users) > 1 for index in users}
         for index, child in enumerate(model):
             if index not in shared and any(True for _ in child.parameters()):
                 fully_shard(child, **settings)
