@@ -54,6 +54,10 @@ FRAMEWORKS: dict[str, FrameworkEntry] = {
         FrameworkEntry(
             "torch-pipeline", "repro.adapters.torch_pipeline:TorchPipelineAdapter", "inter-layer (pipeline schedules)",
         ),
+        FrameworkEntry(
+            "axonn", "repro.adapters.axonn:AxoNNAdapter", "inter-layer + data (async)", ("axonn",),
+            install_hint="not supported: axonn 0.2.0 needs CUDA GPUs and NCCL (see repro/adapters/axonn.py)",
+        ),
     )
 }
 
