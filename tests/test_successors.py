@@ -1,0 +1,123 @@
+"""The paper's successors: FSDP2, PyTorch's pipeline schedules and AxoNN.
+
+FSDP must train exactly as DDP does, and every pipeline schedule exactly as sequential training
+on the same global batch (one process); the memory accounting must count what each rank holds.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import Repro
+from repro.adapters.torch_pipeline import TorchPipelineAdapter, balance, layer_weights
+from repro.recipe import load_file, recipe_path
+from repro.schema import RecipeError
+
+STEPS = "5"
+TOLERANCE = 1e-5
+SHORT = ("--max-steps", STEPS, "--set", "data.max_val_samples=32")
+TIED_EMBEDDING_BYTES = 256 * 64 * 4  # GPT-2 smoke: byte vocabulary x d_model, fp32
+
+
+def smoke(framework: str, *overrides: str):
+    return load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", *overrides])
+
+
+def epoch_event(result) -> dict:
+    return next(e for e in result.events() if e["event"] == "epoch")
+
+
+def state_bytes(result, kind: str) -> list[int]:
+    return [rank[kind] for rank in epoch_event(result)["ranks"]]
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Repro:
+    return Repro(tmp_path_factory.mktemp("successors"))
+
+
+@pytest.fixture(scope="module")
+def ddp_two_ranks(scratch):
+    out = scratch("run", "gpt2", "--framework", "ddp", "--gpus", "2", *SHORT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sequential(scratch):
+    """One process on the global batch of a 2-GPU pipeline (2 x 8 samples)."""
+    out = scratch("run", "gpt2", "--framework", "ddp", "--gpus", "1", *SHORT, "--set", "train.batch_per_gpu=16")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+# -- recipes and partitioning (no processes) ---------------------------------------------------
+def test_balance_minimises_the_heaviest_stage() -> None:
+    assert balance([1, 1, 1, 1], 2) == [2, 2]
+    assert balance([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    model = TorchPipelineAdapter.meta_model(smoke("torch-pipeline"))
+    # embedding 20,480 | four blocks of 49,984 | head 16,512 (64 for its norm's, 16,384 tied)
+    assert layer_weights(model) == [20480, 49984, 49984, 49984, 49984, 16512]
+    assert balance(layer_weights(model), 4) == [2, 1, 1, 2]
+
+
+def test_pipeline_recipe_errors_print_the_arithmetic() -> None:
+    with pytest.raises(RecipeError, match=r"4 GPUs x 2 stages per rank = 8 stages, but the model has only 6 layers"):
+        smoke("torch-pipeline", "run.gpus=4", "torch_pipeline.schedule=interleaved-1f1b")
+    with pytest.raises(RecipeError, match=r"global batch \(16\) must split into 3 equal microbatches: 16 % 3 = 1"):
+        smoke("torch-pipeline", "run.gpus=2", "torch_pipeline.microbatches=3")
+    with pytest.raises(RecipeError, match=r"1f1b needs at least one microbatch per stage: 2 < 4 stages"):
+        smoke("torch-pipeline", "run.gpus=4", "torch_pipeline.microbatches=2")
+    with pytest.raises(RecipeError, match=r"torch_pipeline.balance: needs 2 positive layer counts summing to 6"):
+        smoke("torch-pipeline", "run.gpus=2", "torch_pipeline.balance=[3,2]")
+    assert smoke("torch-pipeline", "run.gpus=4").options().schedule == "1f1b"
+
+
+def test_fsdp_recipe_checks_hybrid_replicas_and_precision() -> None:
+    with pytest.raises(RecipeError, match=r"fsdp.replicas: .* 6 % 4 = 2"):
+        smoke("fsdp", "run.gpus=6", "fsdp.sharding=hybrid", "fsdp.replicas=4")
+    with pytest.raises(RecipeError, match="train.precision: fsdp runs fp32 or bf16"):
+        smoke("fsdp", "train.precision=fp16")
+    assert smoke("fsdp", "run.gpus=4", "fsdp.sharding=hybrid").options().replicas == 2
+
+
+def test_list_and_run_give_axonns_reason(repro) -> None:
+    listed = repro("list")
+    assert listed.returncode == 0
+    lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line.startswith("  ")}
+    assert lines["fsdp"].endswith(" available") and lines["torch-pipeline"].endswith(" available")
+    assert "unavailable" in lines["axonn"] and "needs CUDA GPUs and NCCL" in lines["axonn"]
+    out = repro("run", "gpt2", "--framework", "axonn", "--dry-run")
+    assert out.returncode == 2
+    assert "run.framework: axonn 0.2.0 needs CUDA GPUs and NCCL" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# -- training equivalence (real processes on gloo) ---------------------------------------------
+@pytest.mark.slow
+def test_fsdp_equals_ddp_and_holds_half_the_state(scratch, ddp_two_ranks) -> None:
+    out = scratch("run", "gpt2", "--framework", "fsdp", "--gpus", "2", *SHORT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fsdp, ddp = out.losses(), ddp_two_ranks.losses()
+    assert len(fsdp) == len(ddp) == int(STEPS)
+    assert max(abs(a - b) for a, b in zip(fsdp, ddp)) < TOLERANCE
+    assert fsdp[-1] < fsdp[0]
+    val_fsdp, val_ddp = epoch_event(out)["val"]["val/loss"], epoch_event(ddp_two_ranks)["val"]["val/loss"]
+    assert val_fsdp == pytest.approx(val_ddp, abs=TOLERANCE)
+    for kind in ("parameters", "gradients", "optimizer"):  # every dimension splits evenly in two here
+        whole = state_bytes(ddp_two_ranks, kind)[0]
+        assert state_bytes(out, kind) == [whole // 2, whole // 2], kind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
+def test_pipeline_schedule_equals_sequential_training(scratch, sequential, schedule) -> None:
+    out = scratch("run", "gpt2", "--framework", "torch-pipeline", "--gpus", "2", *SHORT,
+                  "--set", f"torch_pipeline.schedule={schedule}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    pipe, one = out.losses(), sequential.losses()
+    assert len(pipe) == len(one) == int(STEPS)
+    assert max(abs(a - b) for a, b in zip(pipe, one)) < TOLERANCE
+    assert epoch_event(out)["val"]["val/loss"] == pytest.approx(epoch_event(sequential)["val"]["val/loss"], abs=TOLERANCE)
+    # the stages hold the whole model between them, plus the head's copy of the tied embedding
+    whole = state_bytes(sequential, "parameters")[0]
+    assert sum(state_bytes(out, "parameters")) == whole + TIED_EMBEDDING_BYTES
