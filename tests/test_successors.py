@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Repro
+from conftest import Repro, Result
 from repro.adapters.torch_pipeline import TorchPipelineAdapter, balance, layer_weights
-from repro.recipe import load_file, recipe_path
+from repro.recipe import Recipe, load_file, recipe_path
 from repro.schema import RecipeError
 
 STEPS = "5"
@@ -18,36 +18,34 @@ SHORT = ("--max-steps", STEPS, "--set", "data.max_val_samples=32")
 TIED_EMBEDDING_BYTES = 256 * 64 * 4  # GPT-2 smoke: byte vocabulary x d_model, fp32
 
 
-def smoke(framework: str, *overrides: str):
+def smoke(framework: str, *overrides: str) -> Recipe:
     return load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", *overrides])
 
 
-def epoch_event(result) -> dict:
+def epoch_event(result: Result) -> dict:
     return next(e for e in result.events() if e["event"] == "epoch")
 
 
-def state_bytes(result, kind: str) -> list[int]:
+def state_bytes(result: Result, kind: str) -> list[int]:
     return [rank[kind] for rank in epoch_event(result)["ranks"]]
 
 
-@pytest.fixture(scope="module")
-def scratch(tmp_path_factory) -> Repro:
-    return Repro(tmp_path_factory.mktemp("successors"))
-
-
-@pytest.fixture(scope="module")
-def ddp_two_ranks(scratch):
-    out = scratch("run", "gpt2", "--framework", "ddp", "--gpus", "2", *SHORT)
+def run_alone(folders: pytest.TempPathFactory, *args: str) -> Result:
+    """One run in a folder of its own, so that its Result reads its own events."""
+    out = Repro(folders.mktemp("run"))("run", "gpt2", *args, *SHORT)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
 
 @pytest.fixture(scope="module")
-def sequential(scratch):
+def ddp_two_ranks(tmp_path_factory) -> Result:
+    return run_alone(tmp_path_factory, "--framework", "ddp", "--gpus", "2")
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory) -> Result:
     """One process on the global batch of a 2-GPU pipeline (2 x 8 samples)."""
-    out = scratch("run", "gpt2", "--framework", "ddp", "--gpus", "1", *SHORT, "--set", "train.batch_per_gpu=16")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+    return run_alone(tmp_path_factory, "--framework", "ddp", "--gpus", "1", "--set", "train.batch_per_gpu=16")
 
 
 # -- recipes and partitioning (no processes) ---------------------------------------------------
@@ -94,9 +92,8 @@ def test_list_and_run_give_axonns_reason(repro) -> None:
 
 # -- training equivalence (real processes on gloo) ---------------------------------------------
 @pytest.mark.slow
-def test_fsdp_equals_ddp_and_holds_half_the_state(scratch, ddp_two_ranks) -> None:
-    out = scratch("run", "gpt2", "--framework", "fsdp", "--gpus", "2", *SHORT)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_fsdp_equals_ddp_and_holds_half_the_state(tmp_path_factory, ddp_two_ranks) -> None:
+    out = run_alone(tmp_path_factory, "--framework", "fsdp", "--gpus", "2")
     fsdp, ddp = out.losses(), ddp_two_ranks.losses()
     assert len(fsdp) == len(ddp) == int(STEPS)
     assert max(abs(a - b) for a, b in zip(fsdp, ddp)) < TOLERANCE
@@ -110,10 +107,8 @@ def test_fsdp_equals_ddp_and_holds_half_the_state(scratch, ddp_two_ranks) -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
-def test_pipeline_schedule_equals_sequential_training(scratch, sequential, schedule) -> None:
-    out = scratch("run", "gpt2", "--framework", "torch-pipeline", "--gpus", "2", *SHORT,
-                  "--set", f"torch_pipeline.schedule={schedule}")
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_pipeline_schedule_equals_sequential_training(tmp_path_factory, sequential, schedule) -> None:
+    out = run_alone(tmp_path_factory, "--framework", "torch-pipeline", "--gpus", "2", "--set", f"torch_pipeline.schedule={schedule}")
     pipe, one = out.losses(), sequential.losses()
     assert len(pipe) == len(one) == int(STEPS)
     assert max(abs(a - b) for a, b in zip(pipe, one)) < TOLERANCE

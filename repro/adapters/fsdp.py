@@ -72,7 +72,7 @@ class FSDPAdapter(Adapter):
         settings = {"mesh": self.mesh(), "reshard_after_forward": self.options.sharding != "grad-op", "mp_policy": policy}
         shared = {index for users in parameter_users(model).values() if len(users) > 1 for index in users}
         for index, child in enumerate(model):
-            if index not in shared and any(True for _ in child.parameters()):
+            if index not in shared and next(child.parameters(), None) is not None:
                 fully_shard(child, **settings)
         self.model = fully_shard(model, **settings)
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())

@@ -30,7 +30,7 @@ from torch import nn
 from repro import registry
 from repro.adapters.base import Adapter, parameter_users
 from repro.optim import make_optimizer
-from repro.recipe import FrameworkOptions, Recipe
+from repro.recipe import FrameworkOptions, Recipe, section_key
 from repro.schema import RecipeError
 
 SCHEDULES = {  # recipe name -> class in torch.distributed.pipelining
@@ -40,6 +40,7 @@ SCHEDULES = {  # recipe name -> class in torch.distributed.pipelining
     "zero-bubble": "ScheduleInterleavedZeroBubble",
 }
 MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
+SECTION = section_key("torch-pipeline")
 
 
 @dataclass
@@ -90,15 +91,14 @@ class TorchPipelineAdapter(Adapter):
         import torch.distributed.pipelining as pipelining
 
         options, gpus = recipe.options(), recipe.run.gpus
-        key = "torch_pipeline"
         if not hasattr(pipelining, SCHEDULES[options.schedule]):
-            raise RecipeError(source, f"{key}.schedule", f"this PyTorch ({torch.__version__}) has no {options.schedule} schedule")
+            raise RecipeError(source, f"{SECTION}.schedule", f"this PyTorch ({torch.__version__}) has no {options.schedule} schedule")
         if recipe.train.precision == "fp16":
             raise RecipeError(source, "train.precision", "torch-pipeline runs fp32 or bf16 (no loss scaling across stages); use bf16")
         per_rank = stages_per_rank(options)
         if (options.schedule in MULTI_STAGE) != (per_rank > 1):
             raise RecipeError(
-                source, f"{key}.stages_per_rank",
+                source, f"{SECTION}.stages_per_rank",
                 f"{options.schedule} needs {'2 or more stages' if options.schedule in MULTI_STAGE else '1 stage'} per rank, got {per_rank}",
             )
         stages = gpus * per_rank
@@ -110,14 +110,14 @@ class TorchPipelineAdapter(Adapter):
             )
         if options.balance is not None and (len(options.balance) != stages or sum(options.balance) != layers or min(options.balance) < 1):
             raise RecipeError(
-                source, f"{key}.balance",
+                source, f"{SECTION}.balance",
                 f"needs {stages} positive layer counts summing to {layers}, got {options.balance} (sum {sum(options.balance)})",
             )
         cls.check_microbatches(recipe, source, stages)
 
     @classmethod
     def check_microbatches(cls, recipe: Recipe, source: str, stages: int) -> None:
-        field, count, batch = "torch_pipeline.microbatches", microbatches(recipe), cls.global_batch(recipe)
+        field, count, batch = f"{SECTION}.microbatches", microbatches(recipe), cls.global_batch(recipe)
         if count < 1 or batch % count:
             raise RecipeError(source, field, f"the global batch ({batch}) must split into {count} equal microbatches: {batch} % {count} = {batch % max(count, 1)}")
         schedule = recipe.options().schedule
