@@ -90,11 +90,18 @@ class TorchPipelineAdapter(Adapter):
     def check(cls, recipe: Recipe, source: str) -> None:
         import torch.distributed.pipelining as pipelining
 
-        options, gpus = recipe.options(), recipe.run.gpus
+        options = recipe.options()
         if not hasattr(pipelining, SCHEDULES[options.schedule]):
             raise RecipeError(source, f"{SECTION}.schedule", f"this PyTorch ({torch.__version__}) has no {options.schedule} schedule")
         if recipe.train.precision == "fp16":
             raise RecipeError(source, "train.precision", "torch-pipeline runs fp32 or bf16 (no loss scaling across stages); use bf16")
+        stages = cls.check_stages(recipe, source)
+        cls.check_microbatches(recipe, source, stages)
+
+    @classmethod
+    def check_stages(cls, recipe: Recipe, source: str) -> int:
+        """The number of stages, once it fits the schedule, the GPUs and the model's layers."""
+        options, gpus = recipe.options(), recipe.run.gpus
         per_rank = stages_per_rank(options)
         if (options.schedule in MULTI_STAGE) != (per_rank > 1):
             raise RecipeError(
@@ -113,7 +120,7 @@ class TorchPipelineAdapter(Adapter):
                 source, f"{SECTION}.balance",
                 f"needs {stages} positive layer counts summing to {layers}, got {options.balance} (sum {sum(options.balance)})",
             )
-        cls.check_microbatches(recipe, source, stages)
+        return stages
 
     @classmethod
     def check_microbatches(cls, recipe: Recipe, source: str, stages: int) -> None:
@@ -214,10 +221,17 @@ class TorchPipelineAdapter(Adapter):
             torch._foreach_div_(grads, (norm / optimizer_clip).clamp(min=1.0))
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward through every stage (the schedule also wants targets, for its loss); sums on the last stage."""
+        """Forward through every stage (the schedule also wants targets, for its loss); sums on the last stage.
+
+        A batch that does not split into equal microbatches (the last one, or one smaller than the
+        microbatch count) is padded with copies of its first sample, whose outputs are dropped.
+        """
+        count, parts = len(inputs), microbatches(self.ctx.recipe)
+        extra = max(parts, -(-count // parts) * parts) - count
+        inputs, targets = (torch.cat([t, t[:1].expand(extra, *t.shape[1:])]) for t in (inputs, targets))
         args, kwargs = self.pipeline_arguments(inputs, targets)
         with torch.no_grad(), self.autocast():
             output = self.schedule.eval(*args, **kwargs)
         if not kwargs:
             return None
-        return self.ctx.workload.metric_sums(output, kwargs["target"])
+        return self.ctx.workload.metric_sums(output[:count], kwargs["target"][:count])
