@@ -60,7 +60,7 @@ def microbatches(recipe: Recipe) -> int:
 
 
 def balance(weights: list[int], stages: int) -> list[int]:
-    """Layers per stage: contiguous, non-empty stages that minimise the heaviest stage's weight."""
+    """Layers per stage: contiguous stages, each with some weight, that minimise the heaviest stage's weight."""
     count = len(weights)
     prefix = [0]
     for weight in weights:
@@ -70,7 +70,7 @@ def balance(weights: list[int], stages: int) -> list[int]:
     best[0][0] = (0, 0)
     for k in range(1, stages + 1):
         for i in range(k, count + 1):
-            best[k][i] = min((max(best[k - 1][j][0], prefix[i] - prefix[j]), j) for j in range(k - 1, i))
+            best[k][i] = min((max(best[k - 1][j][0], prefix[i] - prefix[j] or float("inf")), j) for j in range(k - 1, i))
     sizes, end = [], count
     for k in range(stages, 0, -1):
         start = best[k][end][1]
@@ -81,6 +81,11 @@ def balance(weights: list[int], stages: int) -> list[int]:
 
 def layer_weights(model: nn.Sequential) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in model]
+
+
+def stage_weights(weights: list[int], sizes: list[int]) -> list[int]:
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    return [sum(weights[start : start + size]) for start, size in zip(starts, sizes)]
 
 
 class TorchPipelineAdapter(Adapter):
@@ -108,17 +113,18 @@ class TorchPipelineAdapter(Adapter):
                 source, f"{SECTION}.stages_per_rank",
                 f"{options.schedule} needs {'2 or more stages' if options.schedule in MULTI_STAGE else '1 stage'} per rank, got {per_rank}",
             )
-        stages = gpus * per_rank
-        layers = len(cls.meta_model(recipe))
-        if stages > layers:
+        stages, weights = gpus * per_rank, layer_weights(cls.meta_model(recipe))
+        trainable = sum(1 for weight in weights if weight)
+        if stages > trainable:  # every stage needs a parameter, or its optimizer has nothing to step
             raise RecipeError(
                 source, "run.gpus",
-                f"{gpus} GPUs x {per_rank} stages per rank = {stages} stages, but the model has only {layers} layers",
+                f"{gpus} GPUs x {per_rank} stages per rank = {stages} stages, but the model has only {trainable} layers with parameters",
             )
-        if options.balance is not None and (len(options.balance) != stages or sum(options.balance) != layers or min(options.balance) < 1):
+        sizes = options.balance
+        if sizes is not None and (len(sizes) != stages or sum(sizes) != len(weights) or min(stage_weights(weights, sizes)) < 1):
             raise RecipeError(
                 source, f"{SECTION}.balance",
-                f"needs {stages} positive layer counts summing to {layers}, got {options.balance} (sum {sum(options.balance)})",
+                f"needs {stages} layer counts summing to {len(weights)}, each stage with parameters, got {sizes} (sum {sum(sizes)})",
             )
         return stages
 
