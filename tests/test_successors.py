@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import Repro, Result
-from repro.adapters.torch_pipeline import TorchPipelineAdapter, balance, layer_weights
+from repro.adapters.torch_pipeline import TorchPipelineAdapter, balance, layer_weights, stage_starts
 from repro.recipe import Recipe, load_file, recipe_path
 from repro.schema import RecipeError
 
@@ -58,6 +58,17 @@ def test_balance_minimises_the_heaviest_stage() -> None:
     # embedding 20,480 | four blocks of 49,984 | head 16,512 (64 for its norm's, 16,384 tied)
     assert layer_weights(model) == [20480, 49984, 49984, 49984, 49984, 16512]
     assert balance(layer_weights(model), 4) == [2, 1, 1, 2]
+
+
+def test_no_stage_begins_with_an_in_place_layer() -> None:
+    recipe = load_file(recipe_path("vgg16", "smoke"), ["run.framework=torch-pipeline", "run.gpus=4"])
+    model = TorchPipelineAdapter.meta_model(recipe)
+    sizes = balance(layer_weights(model), 4, stage_starts(model))
+    firsts = [sum(sizes[:s]) for s in range(4)]
+    assert not any(getattr(model[first], "inplace", False) for first in firsts)
+    assert stage_starts(model)[:3] == [True, False, True]  # conv, ReLU(inplace=True), conv
+    with pytest.raises(RecipeError, match="not beginning with an in-place layer"):
+        load_file(recipe_path("vgg16", "smoke"), ["run.framework=torch-pipeline", "run.gpus=2", f"torch_pipeline.balance=[1,{len(model) - 1}]"])
 
 
 def test_pipeline_recipe_errors_print_the_arithmetic() -> None:

@@ -59,9 +59,11 @@ def microbatches(recipe: Recipe) -> int:
     return recipe.options().microbatches or 2 * recipe.run.gpus
 
 
-def balance(weights: list[int], stages: int) -> list[int]:
-    """Layers per stage: contiguous stages, each with some weight, that minimise the heaviest stage's weight."""
+def balance(weights: list[int], stages: int, starts: list[bool] | None = None) -> list[int]:
+    """Layers per stage: contiguous stages, each with some weight and beginning where `starts` allows
+    (anywhere when None), that minimise the heaviest stage's weight. ValueError when no split fits."""
     count = len(weights)
+    starts = starts or [True] * count
     prefix = [0]
     for weight in weights:
         prefix.append(prefix[-1] + weight)
@@ -70,7 +72,12 @@ def balance(weights: list[int], stages: int) -> list[int]:
     best[0][0] = (0, 0)
     for k in range(1, stages + 1):
         for i in range(k, count + 1):
-            best[k][i] = min((max(best[k - 1][j][0], prefix[i] - prefix[j] or float("inf")), j) for j in range(k - 1, i))
+            best[k][i] = min(
+                (max(best[k - 1][j][0], prefix[i] - prefix[j] or float("inf")) if starts[j] else float("inf"), j)
+                for j in range(k - 1, i)
+            )
+    if best[stages][count][0] == float("inf"):
+        raise ValueError(f"no split of {count} layers into {stages} stages gives every stage parameters")
     sizes, end = [], count
     for k in range(stages, 0, -1):
         start = best[k][end][1]
@@ -79,13 +86,22 @@ def balance(weights: list[int], stages: int) -> list[int]:
     return sizes[::-1]
 
 
+def stage_starts(model: nn.Sequential) -> list[bool]:
+    """Where a stage may begin: its input is a leaf tensor autograd must keep, so not at an in-place layer
+    (VGG's ReLU(inplace=True))."""
+    return [index == 0 or not getattr(layer, "inplace", False) for index, layer in enumerate(model)]
+
+
 def layer_weights(model: nn.Sequential) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in model]
 
 
-def stage_weights(weights: list[int], sizes: list[int]) -> list[int]:
-    starts = [sum(sizes[:s]) for s in range(len(sizes))]
-    return [sum(weights[start : start + size]) for start, size in zip(starts, sizes)]
+def valid_split(weights: list[int], starts: list[bool], sizes: list[int]) -> bool:
+    """Every stage non-empty, with parameters, and beginning where a stage may begin."""
+    firsts = [sum(sizes[:s]) for s in range(len(sizes))]
+    return min(sizes) >= 1 and all(
+        starts[first] and sum(weights[first : first + size]) for first, size in zip(firsts, sizes)
+    )
 
 
 class TorchPipelineAdapter(Adapter):
@@ -113,7 +129,8 @@ class TorchPipelineAdapter(Adapter):
                 source, f"{SECTION}.stages_per_rank",
                 f"{options.schedule} needs {'2 or more stages' if options.schedule in MULTI_STAGE else '1 stage'} per rank, got {per_rank}",
             )
-        stages, weights = gpus * per_rank, layer_weights(cls.meta_model(recipe))
+        model = cls.meta_model(recipe)
+        stages, weights, starts = gpus * per_rank, layer_weights(model), stage_starts(model)
         trainable = sum(1 for weight in weights if weight)
         if stages > trainable:  # every stage needs a parameter, or its optimizer has nothing to step
             raise RecipeError(
@@ -121,10 +138,16 @@ class TorchPipelineAdapter(Adapter):
                 f"{gpus} GPUs x {per_rank} stages per rank = {stages} stages, but the model has only {trainable} layers with parameters",
             )
         sizes = options.balance
-        if sizes is not None and (len(sizes) != stages or sum(sizes) != len(weights) or min(stage_weights(weights, sizes)) < 1):
+        if sizes is None:
+            try:
+                balance(weights, stages, starts)
+            except ValueError as error:
+                raise RecipeError(source, "run.gpus", str(error)) from None
+        elif len(sizes) != stages or sum(sizes) != len(weights) or not valid_split(weights, starts, sizes):
             raise RecipeError(
                 source, f"{SECTION}.balance",
-                f"needs {stages} layer counts summing to {len(weights)}, each stage with parameters, got {sizes} (sum {sum(sizes)})",
+                f"needs {stages} layer counts summing to {len(weights)}, each stage with parameters and not beginning "
+                f"with an in-place layer, got {sizes} (sum {sum(sizes)})",
             )
         return stages
 
@@ -165,7 +188,7 @@ class TorchPipelineAdapter(Adapter):
         import torch.distributed.pipelining as pipelining
 
         count, world, rank = self.stage_count, self.ctx.world, self.ctx.rank
-        sizes = self.options.balance or balance(layer_weights(model), count)
+        sizes = self.options.balance or balance(layer_weights(model), count, stage_starts(model))
         starts = [sum(sizes[:s]) for s in range(count)]
         stage_modules = [nn.Sequential(*model[start : start + size]) for start, size in zip(starts, sizes)]
         self.mine = [s for s in range(count) if s % world == rank]
