@@ -167,10 +167,11 @@ def list_() -> None:
 
     click.echo("models:     " + ", ".join(MODELS))
     click.echo("frameworks:")
+    width = max(map(len, registry.FRAMEWORKS))
     for name, entry in registry.FRAMEWORKS.items():
         missing = entry.missing()
         state = "available" if not missing else f"unavailable (missing {', '.join(missing)}: {entry.install_hint})"
-        click.echo(f"  {name:<11} {entry.parallelism:<32} {state}")
+        click.echo(f"  {name:<{width}} {entry.parallelism:<32} {state}")
     click.echo("recipes:")
     for path in sorted(configs_dir().glob("*.yaml")):
         click.echo(f"  {path}")

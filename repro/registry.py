@@ -50,6 +50,14 @@ FRAMEWORKS: dict[str, FrameworkEntry] = {
             "lbann", "repro.adapters.lbann:LBANNAdapter", "data", ("lbann",), ("lbann",),
             install_hint=f"{IMAGE_HINT}, or build it with Spack: spack install lbann@0.104 +cuda +vision +pfe",
         ),
+        FrameworkEntry("fsdp", "repro.adapters.fsdp:FSDPAdapter", "data (fully sharded, FSDP2)"),
+        FrameworkEntry(
+            "torch-pipeline", "repro.adapters.torch_pipeline:TorchPipelineAdapter", "inter-layer (pipeline schedules)",
+        ),
+        FrameworkEntry(
+            "axonn", "repro.adapters.axonn:AxoNNAdapter", "inter-layer + data (async)", ("axonn",),
+            install_hint="not supported: axonn 0.2.0 needs CUDA GPUs and NCCL (see repro/adapters/axonn.py)",
+        ),
     )
 }
 

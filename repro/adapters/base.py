@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,15 @@ from repro.recipe import FrameworkOptions, Recipe
 from repro.workloads import Workload
 
 ADAPTER_STATE_FILE = "adapter.pt"
+
+
+def parameter_users(modules: Sequence[nn.Module]) -> dict[nn.Parameter, set[int]]:
+    """Each parameter of `modules` -> the indices of the modules that hold it (tied weights have several)."""
+    users: dict[nn.Parameter, set[int]] = {}
+    for index, module in enumerate(modules):
+        for param in module.parameters():
+            users.setdefault(param, set()).add(index)
+    return users
 
 
 @dataclass

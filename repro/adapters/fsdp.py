@@ -1,0 +1,110 @@
+"""PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`): PyTorch's own fully sharded data parallelism.
+
+Each rank holds 1/N of every parameter, gradient and optimizer state as DTensor shards (the native
+counterpart of ZeRO-3); a layer's parameters are all-gathered just before it runs and its gradients
+reduce-scattered right after. Every layer of the workload's nn.Sequential that owns parameters is
+its own FSDP unit; layers sharing a parameter (GPT-2's head is tied to the token embedding) stay in
+the root unit, because FSDP2 requires a shared parameter to live in one unit.
+
+Recipe section `fsdp:` chooses the sharding strategy (full: reshard after forward, ZeRO-3;
+grad-op: keep parameters gathered from forward to backward, ZeRO-2-like traffic; hybrid: shard
+within groups of gpus/replicas ranks and replicate across the groups, HSDP) and the dtype of the
+gradient reduction; parameters compute in train.precision.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from repro.adapters.base import Adapter, parameter_users
+from repro.metrics import optimizer_tensors, tensor_bytes
+from repro.optim import make_optimizer
+from repro.recipe import FrameworkOptions, Recipe
+from repro.schema import RecipeError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class FSDPOptions(FrameworkOptions):
+    sharding: Literal["full", "grad-op", "hybrid"] = "full"
+    replicas: int = 2  # hybrid only: how many replicas of the sharded model (each shards over gpus/replicas ranks)
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+
+def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The part of a (D)Tensor that this rank stores."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class FSDPAdapter(Adapter):
+    Options = FSDPOptions
+
+    @classmethod
+    def check(cls, recipe: Recipe, source: str) -> None:
+        options = recipe.options()
+        if recipe.train.precision == "fp16":
+            raise RecipeError(
+                source, "train.precision",
+                "fsdp runs fp32 or bf16 (fp16 would need loss scaling of sharded gradients); use bf16",
+            )
+        gpus = recipe.run.gpus
+        if options.sharding == "hybrid" and (options.replicas < 2 or gpus % options.replicas):
+            raise RecipeError(
+                source, "fsdp.replicas",
+                f"hybrid sharding needs at least 2 replicas that divide the GPUs: "
+                f"{gpus} % {options.replicas} = {gpus % max(options.replicas, 1)}",
+            )
+
+    def setup(self, model: nn.Sequential) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = model.to(self.ctx.device)
+        precision = self.ctx.recipe.train.precision
+        policy = MixedPrecisionPolicy(
+            param_dtype=None if precision == "fp32" else DTYPES[precision],
+            reduce_dtype=DTYPES[self.options.reduce_dtype],
+        )
+        settings = {"mesh": self.mesh(), "reshard_after_forward": self.options.sharding != "grad-op", "mp_policy": policy}
+        shared = {index for users in parameter_users(model).values() if len(users) > 1 for index in users}
+        for index, child in enumerate(model):
+            if index not in shared and next(child.parameters(), None) is not None:
+                fully_shard(child, **settings)
+        self.model = fully_shard(model, **settings)
+        self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())
+
+    def mesh(self) -> Any:
+        """1-D mesh over all ranks, or (replicate, shard) for hybrid sharding."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = self.ctx.world
+        if self.options.sharding == "hybrid":
+            replicas = self.options.replicas
+            return init_device_mesh(self.ctx.device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(self.ctx.device.type, (world,), mesh_dim_names=("shard",))
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """FSDP casts parameters itself (MixedPrecisionPolicy), so no autocast on top."""
+        return contextlib.nullcontext()
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.ctx.workload.loss(self.model(inputs), targets)
+        loss.backward()
+        self.clip_gradients(self.model.parameters())
+        self.optimizer.step()
+        return self.mean_loss(loss)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of the shards this rank stores (the local tensors of the DTensors)."""
+        params = list(self.model.parameters())
+        return {
+            "parameters": tensor_bytes(local(p) for p in params),
+            "gradients": tensor_bytes(local(p.grad) for p in params),
+            "optimizer": tensor_bytes(local(t) for t in optimizer_tensors(self.optimizer)),
+        }

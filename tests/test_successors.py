@@ -1,0 +1,131 @@
+"""The paper's successors: FSDP2, PyTorch's pipeline schedules and AxoNN.
+
+FSDP must train exactly as DDP does, and every pipeline schedule exactly as sequential training
+on the same global batch (one process); the memory accounting must count what each rank holds.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import Repro, Result
+from repro.adapters.torch_pipeline import TorchPipelineAdapter, balance, layer_weights, stage_starts
+from repro.recipe import Recipe, load_file, recipe_path
+from repro.schema import RecipeError
+
+STEPS = "5"
+TOLERANCE = 1e-5
+# 30 validation samples: the pipeline's last evaluation batch (6) must be padded to its 4 microbatches
+SHORT = ("--max-steps", STEPS, "--set", "data.max_val_samples=30")
+TIED_EMBEDDING_BYTES = 256 * 64 * 4  # GPT-2 smoke: byte vocabulary x d_model, fp32
+
+
+def smoke(framework: str, *overrides: str) -> Recipe:
+    return load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", *overrides])
+
+
+def epoch_event(result: Result) -> dict:
+    return next(e for e in result.events() if e["event"] == "epoch")
+
+
+def state_bytes(result: Result, kind: str) -> list[int]:
+    return [rank[kind] for rank in epoch_event(result)["ranks"]]
+
+
+def run_alone(folders: pytest.TempPathFactory, *args: str) -> Result:
+    """One run in a folder of its own, so that its Result reads its own events."""
+    out = Repro(folders.mktemp("run"))("run", "gpt2", *args, *SHORT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_two_ranks(tmp_path_factory) -> Result:
+    return run_alone(tmp_path_factory, "--framework", "ddp", "--gpus", "2")
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory) -> Result:
+    """One process on the global batch of a 2-GPU pipeline (2 x 8 samples)."""
+    return run_alone(tmp_path_factory, "--framework", "ddp", "--gpus", "1", "--set", "train.batch_per_gpu=16")
+
+
+# -- recipes and partitioning (no processes) ---------------------------------------------------
+def test_balance_minimises_the_heaviest_stage() -> None:
+    assert balance([1, 1, 1, 1], 2) == [2, 2]
+    assert balance([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert balance([4, 0, 1, 1], 3) == [1, 2, 1]  # [1, 1, 2] is as heavy, but its middle stage has no parameters
+    model = TorchPipelineAdapter.meta_model(smoke("torch-pipeline"))
+    # embedding 20,480 | four blocks of 49,984 | head 16,512 (64 for its norm's, 16,384 tied)
+    assert layer_weights(model) == [20480, 49984, 49984, 49984, 49984, 16512]
+    assert balance(layer_weights(model), 4) == [2, 1, 1, 2]
+
+
+def test_no_stage_begins_with_an_in_place_layer() -> None:
+    recipe = load_file(recipe_path("vgg16", "smoke"), ["run.framework=torch-pipeline", "run.gpus=4"])
+    model = TorchPipelineAdapter.meta_model(recipe)
+    sizes = balance(layer_weights(model), 4, stage_starts(model))
+    firsts = [sum(sizes[:s]) for s in range(4)]
+    assert not any(getattr(model[first], "inplace", False) for first in firsts)
+    assert stage_starts(model)[:3] == [True, False, True]  # conv, ReLU(inplace=True), conv
+    with pytest.raises(RecipeError, match="not beginning with an in-place layer"):
+        load_file(recipe_path("vgg16", "smoke"), ["run.framework=torch-pipeline", "run.gpus=2", f"torch_pipeline.balance=[1,{len(model) - 1}]"])
+
+
+def test_pipeline_recipe_errors_print_the_arithmetic() -> None:
+    with pytest.raises(RecipeError, match=r"4 GPUs x 2 stages per rank = 8 stages, but the model has only 6 layers with parameters"):
+        smoke("torch-pipeline", "run.gpus=4", "torch_pipeline.schedule=interleaved-1f1b")
+    with pytest.raises(RecipeError, match=r"global batch \(16\) must split into 3 equal microbatches: 16 % 3 = 1"):
+        smoke("torch-pipeline", "run.gpus=2", "torch_pipeline.microbatches=3")
+    with pytest.raises(RecipeError, match=r"1f1b needs at least one microbatch per stage: 2 < 4 stages"):
+        smoke("torch-pipeline", "run.gpus=4", "torch_pipeline.microbatches=2")
+    with pytest.raises(RecipeError, match=r"torch_pipeline.balance: needs 2 layer counts summing to 6"):
+        smoke("torch-pipeline", "run.gpus=2", "torch_pipeline.balance=[3,2]")
+    assert smoke("torch-pipeline", "run.gpus=4").options().schedule == "1f1b"
+
+
+def test_fsdp_recipe_checks_hybrid_replicas_and_precision() -> None:
+    with pytest.raises(RecipeError, match=r"fsdp.replicas: .* 6 % 4 = 2"):
+        smoke("fsdp", "run.gpus=6", "fsdp.sharding=hybrid", "fsdp.replicas=4")
+    with pytest.raises(RecipeError, match="train.precision: fsdp runs fp32 or bf16"):
+        smoke("fsdp", "train.precision=fp16")
+    assert smoke("fsdp", "run.gpus=4", "fsdp.sharding=hybrid").options().replicas == 2
+
+
+def test_list_and_run_give_axonns_reason(repro) -> None:
+    listed = repro("list")
+    assert listed.returncode == 0
+    lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line.startswith("  ")}
+    assert lines["fsdp"].endswith(" available") and lines["torch-pipeline"].endswith(" available")
+    assert "unavailable" in lines["axonn"] and "needs CUDA GPUs and NCCL" in lines["axonn"]
+    out = repro("run", "gpt2", "--framework", "axonn", "--dry-run")
+    assert out.returncode == 2
+    assert "run.framework: axonn 0.2.0 needs CUDA GPUs and NCCL" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# -- training equivalence (real processes on gloo) ---------------------------------------------
+@pytest.mark.slow
+def test_fsdp_equals_ddp_and_holds_half_the_state(tmp_path_factory, ddp_two_ranks) -> None:
+    out = run_alone(tmp_path_factory, "--framework", "fsdp", "--gpus", "2")
+    fsdp, ddp = out.losses(), ddp_two_ranks.losses()
+    assert len(fsdp) == len(ddp) == int(STEPS)
+    assert max(abs(a - b) for a, b in zip(fsdp, ddp)) < TOLERANCE
+    assert fsdp[-1] < fsdp[0]
+    val_fsdp, val_ddp = epoch_event(out)["val"]["val/loss"], epoch_event(ddp_two_ranks)["val"]["val/loss"]
+    assert val_fsdp == pytest.approx(val_ddp, abs=TOLERANCE)
+    for kind in ("parameters", "gradients", "optimizer"):  # every dimension splits evenly in two here
+        whole = state_bytes(ddp_two_ranks, kind)[0]
+        assert state_bytes(out, kind) == [whole // 2, whole // 2], kind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
+def test_pipeline_schedule_equals_sequential_training(tmp_path_factory, sequential, schedule) -> None:
+    out = run_alone(tmp_path_factory, "--framework", "torch-pipeline", "--gpus", "2", "--set", f"torch_pipeline.schedule={schedule}")
+    pipe, one = out.losses(), sequential.losses()
+    assert len(pipe) == len(one) == int(STEPS)
+    assert max(abs(a - b) for a, b in zip(pipe, one)) < TOLERANCE
+    assert epoch_event(out)["val"]["val/loss"] == pytest.approx(epoch_event(sequential)["val"]["val/loss"], abs=TOLERANCE)
+    # the stages hold the whole model between them, plus the head's copy of the tied embedding
+    whole = state_bytes(sequential, "parameters")[0]
+    assert sum(state_bytes(out, "parameters")) == whole + TIED_EMBEDDING_BYTES
