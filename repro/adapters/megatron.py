@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -29,6 +30,7 @@ from torch.nn import functional as F
 
 from repro import seeding
 from repro.adapters.base import Adapter
+from repro.checkpoint import atomic_torch_save
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
@@ -278,9 +280,9 @@ class MegatronAdapter(Adapter):
         ctx.seeds["shared_dropout"] = seeding.derive(ctx.recipe.seed, "rank_stream", self.dp_rank)
         ctx.seeds["tp_local_dropout"] = seeding.derive(ctx.recipe.seed, "tp_local_dropout", ctx.rank)
         self.shared_rng = RngStream(ctx.seeds["shared_dropout"], ctx.device)
-        local_rng = RngStream(ctx.seeds["tp_local_dropout"], ctx.device)
+        self.local_rng = RngStream(ctx.seeds["tp_local_dropout"], ctx.device)
         par = ParallelContext(self.options.tp, tp_rank)
-        self.model = parallel_gpt2(model, ctx.workload.spec, par, local_rng).to(ctx.device)
+        self.model = parallel_gpt2(model, ctx.workload.spec, par, self.local_rng).to(ctx.device)
         self.optimizer = make_optimizer(ctx.recipe.optimizer(), self.model.parameters())
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -343,6 +345,26 @@ class MegatronAdapter(Adapter):
     @property
     def data_group(self) -> Any:
         return self.dp_group
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's tp shard and its optimizer state, and the dropout streams that the loop's saved
+        default generators do not cover (they live outside them, see RngStream)."""
+        return {**super().state_dict(), "shared_rng": self.shared_rng.state, "local_rng": self.local_rng.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.shared_rng.state, self.local_rng.state = tuple(state["shared_rng"]), tuple(state["local_rng"])
+
+    def save_checkpoint(self, folder: Path) -> None:
+        """One file per rank: tp peers hold different shards (and every rank its own local stream)."""
+        atomic_torch_save(self.state_dict(), self.checkpoint_file(folder))
+
+    def load_checkpoint(self, folder: Path) -> None:
+        # on the CPU: RNG states must stay CPU byte tensors; weights and optimizer state move on loading
+        self.load_state_dict(torch.load(self.checkpoint_file(folder), map_location="cpu"))
+
+    def checkpoint_file(self, folder: Path) -> Path:
+        return folder / f"megatron-rank{self.ctx.rank}.pt"
 
     def teardown(self) -> None:
         from megatron.core import parallel_state

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -30,6 +31,7 @@ from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
 
 CONFIG_FILE = "deepspeed_config.json"
+CHECKPOINT_TAG = "zero"  # the subfolder of a loop checkpoint that holds DeepSpeed's files
 STAGES = (1, 2, 3)
 # torch optimizers whose state ZeRO knows how to partition (deepspeed.runtime.zero.utils)
 ZERO_OPTIMIZERS = ("adam", "adamw")
@@ -136,6 +138,18 @@ class ZeroAdapter(Adapter):
         the optimizer state are all alive (the largest count over the first COUNTED_STEPS steps)."""
         return self.peak_model_state
 
+    def save_checkpoint(self, folder: Path) -> None:
+        """DeepSpeed's own checkpoint, every rank writing its partition: the module (data-parallel rank 0;
+        under stage 3 each rank its parameter partition) and each rank's optimizer partition with its fp32
+        master weights. With the default (non-decoupled) checkpoint engine the files are written and
+        committed, and the ranks have met at DeepSpeed's closing barrier, when this returns."""
+        self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Module, optimizer partitions (master weights, Adam moments, step counts) and engine counters."""
+        path, _ = self.engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {CHECKPOINT_TAG!r} in {folder}")
 
     def teardown(self) -> None:
         self.engine.destroy()
