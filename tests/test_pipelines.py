@@ -267,12 +267,12 @@ def resumable_stage_worker(rank: int, world: int, port: int, overrides: list[str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", [2, 4])  # at 2 the pipeline is still filling, at 4 every stage holds its allowance
 @pytest.mark.parametrize("vertical_sync", [False, True])
-def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, stop, vertical_sync):
-    """Stopped between two steps with mini-batches in flight and a gradient in transit, then restarted in
-    fresh processes, four stages end exactly where four stages left alone end (dropout on: the rerun
-    forwards must draw the same random numbers)."""
+def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, vertical_sync):
+    """Stopped twice between steps with mini-batches in flight and gradients in transit (at 2 the pipeline
+    is still filling, at 4 every stage holds its allowance), each time restarted in fresh processes, four
+    stages end exactly where four stages left alone end (dropout on: the rerun forwards must draw the
+    same random numbers)."""
     overrides = ["model.dropout=0.1", "pipedream.balance=[1, 1, 1, 1]", f"pipedream.vertical_sync={vertical_sync}"]
     (tmp_path / "checkpoint").mkdir()
 
@@ -281,12 +281,21 @@ def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, stop, vert
         mp.start_processes(resumable_stage_worker, args, nprocs=4, start_method="fork")
         return [torch.load(tmp_path / f"{first}-{last}-{rank}.pt") for rank in range(4)]
 
-    alone, before, after = run(0, STEPS), run(0, stop), run(stop, STEPS)
-    saved = [torch.load(tmp_path / "checkpoint" / f"pipedream-stage{rank}.pt", weights_only=False) for rank in range(4)]
-    assert [len(stage["in_flight"]) for stage in saved] == [min(stop, 3 - rank) for rank in range(4)]
-    assert sum(entry["grad_output"] is not None for stage in saved for entry in stage["in_flight"]) == (2 if stop == 2 else 3)
-    assert before[-1]["losses"] + after[-1]["losses"] == alone[-1]["losses"]
-    for left_alone, resumed in zip(alone, after):
+    def saved_in_flight() -> list[list[dict]]:
+        folder = tmp_path / "checkpoint"
+        return [torch.load(folder / f"pipedream-stage{rank}.pt", weights_only=False)["in_flight"] for rank in range(4)]
+
+    alone = run(0, STEPS)
+    pieces = []
+    for first, stop in [(0, 2), (2, 4)]:
+        pieces.append(run(first, stop))
+        in_flight = saved_in_flight()
+        assert [len(entries) for entries in in_flight] == [min(stop, 3 - rank) for rank in range(4)]
+        received = [entry["grad_output"] is not None for entries in in_flight for entry in entries]
+        assert sum(received) == (2 if stop == 2 else 3)  # stages holding their full allowance got one
+    pieces.append(run(4, STEPS))
+    assert [loss for piece in pieces for loss in piece[-1]["losses"]] == alone[-1]["losses"]
+    for left_alone, resumed in zip(alone, pieces[-1]):
         assert resumed["trace"] == left_alone["trace"]
         assert resumed["weights"].keys() == left_alone["weights"].keys()
         assert all(torch.equal(resumed["weights"][n], w) for n, w in left_alone["weights"].items())

@@ -70,6 +70,7 @@ def test_sigterm_after_first_epoch_then_resume_is_bit_for_bit(repro, framework):
     (start,) = [e for e in read_events(run_dir) if e["event"] == "start"]
     steps = 2 * start["steps_per_epoch"]  # 512 training samples over the framework's global batch
     assert start["steps_per_epoch"] == 512 // start["global_batch"]
+    assert interrupted[0]["step"] < steps  # stopped inside the second epoch (PipeDream: mini-batches in flight)
     assert len([e for e in read_events(run_dir) if e["event"] == "step"]) == steps
 
     runs = {r.info.run_id: r for r in mlflow_runs(repro.tracking_uri)}
