@@ -239,7 +239,9 @@ def test_pipedream_stages_match_stashed_stale_arithmetic(tmp_path, balance, vert
         torch.testing.assert_close(stage["val_sums"], expected_sums, atol=1e-4, rtol=0)
 
 
-def resumable_stage_worker(rank: int, world: int, port: int, overrides: list[str], out: Path, first: int, stop: int) -> None:
+def resumable_stage_worker(
+    rank: int, world: int, port: int, overrides: list[str], out: Path, first: int, stop: int,
+) -> None:
     """One stage trains mini-batches [first, stop) of STEPS, as one process of a run that may be stopped and
     resumed: it restores out/checkpoint when first > 0, and saves there when it stops before the end (with the
     generator state, as the loop does); otherwise it drains. Then it saves what it saw."""
@@ -282,8 +284,8 @@ def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, vertical_s
         return [torch.load(tmp_path / f"{first}-{last}-{rank}.pt") for rank in range(4)]
 
     def saved_in_flight() -> list[list[dict]]:
-        folder = tmp_path / "checkpoint"
-        return [torch.load(folder / f"pipedream-stage{rank}.pt", weights_only=False)["in_flight"] for rank in range(4)]
+        files = [tmp_path / "checkpoint" / f"pipedream-stage{rank}.pt" for rank in range(4)]
+        return [torch.load(file, weights_only=False)["in_flight"] for file in files]
 
     alone = run(0, STEPS)
     pieces = []

@@ -272,6 +272,12 @@ class PipeDreamAdapter(Adapter):
             return torch.cuda.get_rng_state(self.ctx.device)
         return torch.get_rng_state()
 
+    def set_random_state(self, state: torch.Tensor) -> None:
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_rng_state(state.cpu(), self.ctx.device)
+        else:
+            torch.set_rng_state(state.cpu())
+
     def receive_gradient_in_transit(self) -> None:
         """Between two steps, stage s+1 has sent the gradient of stage s's oldest in-flight mini-batch
         once stage s holds its full warm-up allowance (stage s+1 runs that backward one step earlier);
@@ -302,11 +308,8 @@ class PipeDreamAdapter(Adapter):
         """Rebuild an in-flight mini-batch's graph: its forward again, on the same input, stashed weights
         and random state. Never on the last stage, which holds no mini-batch between steps."""
         devices = [self.ctx.device] if self.ctx.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            if devices:
-                torch.cuda.set_rng_state(saved["random_state"].cpu(), self.ctx.device)
-            else:
-                torch.set_rng_state(saved["random_state"].cpu())
+        with torch.random.fork_rng(devices=devices):  # the loop restores the generators afterwards anyway
+            self.set_random_state(saved["random_state"])
             inputs = saved["inputs"] if self.first else saved["inputs"].requires_grad_()
             output = functional_call(self.model, saved["params"], (inputs,))
         return InFlight(saved["minibatch"], saved["version"], inputs, output, saved["params"],
