@@ -33,11 +33,23 @@ Where this differs from the original runtime:
 - Every stage's loader reads each mini-batch (data shard (0, 1)); stage 0 uses the inputs and the
   last stage the targets. The step loss is the last stage's, of the mini-batch just admitted.
 - Gradient clipping, when a recipe asks for it, clips each stage's gradient norm on its own.
+
+Checkpoints: each stage writes its own file (`pipedream-stage{s}.pt`): live parameters, optimizer
+state, version counter, stashed weight versions, and its in-flight mini-batches. A stop between two
+steps (SIGTERM mid-epoch) does not drain the pipeline: an uninterrupted run would not have drained
+there, and draining would apply updates out of PipeDream's order. Instead the pipeline is saved as
+it stands: each in-flight mini-batch keeps the input the stage received, the version its forward
+ran on and the state of the random generator before that forward; the one gradient in transit
+between neighbouring stages is received before saving and kept with the mini-batch it belongs to.
+Resuming reruns those forwards on the stashed weights with the saved generator state, which
+rebuilds the very graphs (bit for bit, deterministic kernels), so the run continues exactly as if
+never stopped. At an epoch end the pipeline is drained anyway and no mini-batch is in flight.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +59,7 @@ from torch.func import functional_call
 
 from repro.adapters import pipeline
 from repro.adapters.base import Adapter
+from repro.checkpoint import atomic_torch_save
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
@@ -70,6 +83,13 @@ class InFlight:
     inputs: torch.Tensor  # what the stage received (requires grad except on stage 0)
     output: torch.Tensor  # the stage's output; the loss on the last stage
     params: dict[str, torch.Tensor]  # the stashed weights the forward ran on
+    random_state: torch.Tensor  # the device generator's state before the forward (to rerun it)
+    grad_output: torch.Tensor | None = None  # the next stage's gradient, when received before a checkpoint
+
+    def saved(self) -> dict[str, Any]:
+        """What rebuilds this mini-batch after a restart (its graph cannot be saved, only rerun)."""
+        return {"minibatch": self.minibatch, "version": self.version, "inputs": self.inputs.detach(),
+                "params": self.params, "random_state": self.random_state, "grad_output": self.grad_output}
 
 
 class PipeDreamAdapter(Adapter):
@@ -205,12 +225,13 @@ class PipeDreamAdapter(Adapter):
             x, tag = self.receive_activation()
             x.requires_grad_()
         version, params = self.weights_for(tag)
+        random_state = self.random_state()
         output = functional_call(self.model, params, (x,))
         if self.last:
             output = self.ctx.workload.loss(output, targets.to(self.ctx.device))
         else:
             self.send_activation(output, version)
-        entry = InFlight(self.admitted, version, x, output, params)
+        entry = InFlight(self.admitted, version, x, output, params, random_state)
         self.trace.append({"minibatch": self.admitted, "phase": "forward", "version": version, "live": self.version})
         self.in_flight.append(entry)
         self.admitted += 1
@@ -218,10 +239,9 @@ class PipeDreamAdapter(Adapter):
 
     def backward_oldest(self) -> None:
         entry = self.in_flight.popleft()
-        grad_output = None
-        if not self.last:
-            grad_output = torch.empty_like(entry.output)
-            dist.recv(grad_output, self.stage + 1)
+        grad_output = entry.grad_output
+        if grad_output is None and not self.last:
+            grad_output = self.receive_gradient(entry)
         wrt = [*entry.params.values(), *([] if self.first else [entry.inputs])]
         grads = torch.autograd.grad(entry.output, wrt, grad_output) if wrt else ()
         if not self.first:
@@ -236,6 +256,64 @@ class PipeDreamAdapter(Adapter):
             self.optimizer.step()
         self.version += 1  # counted on parameter-free stages too, so version tags agree across stages
         self.versions[self.version] = self.snapshot()
+
+    def receive_gradient(self, entry: InFlight) -> torch.Tensor:
+        grad_output = torch.empty_like(entry.output)
+        dist.recv(grad_output, self.stage + 1)
+        return grad_output
+
+    # -- checkpoints: every stage saves its own state, in-flight mini-batches included -----------------
+    def checkpoint_file(self, folder: Path) -> Path:
+        return folder / f"pipedream-stage{self.stage}.pt"
+
+    def random_state(self) -> torch.Tensor:
+        """State of the generator this stage's random layers (dropout) draw from."""
+        if self.ctx.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.ctx.device)
+        return torch.get_rng_state()
+
+    def set_random_state(self, state: torch.Tensor) -> None:
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_rng_state(state.cpu(), self.ctx.device)
+        else:
+            torch.set_rng_state(state.cpu())
+
+    def receive_gradient_in_transit(self) -> None:
+        """Between two steps, stage s+1 has sent the gradient of stage s's oldest in-flight mini-batch
+        once stage s holds its full warm-up allowance (stage s+1 runs that backward one step earlier);
+        receive it now so that no message is left between the stages."""
+        if not self.last and len(self.in_flight) == self.warmup and self.in_flight[0].grad_output is None:
+            self.in_flight[0].grad_output = self.receive_gradient(self.in_flight[0])
+
+    def save_checkpoint(self, folder: Path) -> None:
+        self.receive_gradient_in_transit()
+        self.flush_sends()
+        state = {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "version": self.version, "versions": self.versions, "admitted": self.admitted,
+            "in_flight": [entry.saved() for entry in self.in_flight], "trace": list(self.trace),
+        }
+        atomic_torch_save(state, self.checkpoint_file(folder))
+
+    def load_checkpoint(self, folder: Path) -> None:
+        state = torch.load(self.checkpoint_file(folder), map_location=self.ctx.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        if self.optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.versions, self.admitted = state["version"], state["versions"], state["admitted"]
+        self.in_flight = deque(self.rerun_forward(saved) for saved in state["in_flight"])
+        self.trace = deque(state["trace"], maxlen=TRACE_LENGTH)
+
+    def rerun_forward(self, saved: dict[str, Any]) -> InFlight:
+        """Rebuild an in-flight mini-batch's graph: its forward again, on the same input, stashed weights
+        and random state. Never on the last stage, which holds no mini-batch between steps."""
+        devices = [self.ctx.device] if self.ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the loop restores the generators afterwards anyway
+            self.set_random_state(saved["random_state"])
+            inputs = saved["inputs"] if self.first else saved["inputs"].requires_grad_()
+            output = functional_call(self.model, saved["params"], (inputs,))
+        return InFlight(saved["minibatch"], saved["version"], inputs, output, saved["params"],
+                        saved["random_state"], saved["grad_output"])
 
     # -- evaluation: activations pass through the stages on the live weights ------------------------
     def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:

@@ -11,6 +11,10 @@ batch is batch_per_gpu x 4 x GPUs. FP32 only, as in the paper. Single node only.
 
 torchgpipe refuses parameters shared by two layers, so GPT-2's tied head gets its own copy whose
 gradient is summed with the embedding's before each step (see repro.adapters.pipeline).
+
+Checkpoints: the base adapter's single file. GPipe's state dict holds every partition, the head's
+copy included, and the optimizer's holds the state of both copies; the two copies are equal at every
+step boundary, so restoring both restores the tie.
 """
 from __future__ import annotations
 
