@@ -23,6 +23,7 @@ def main(run_dir: Path) -> None:
     spec = json.loads((run_dir / RUN_FILE).read_text())
     recipe = resolve(spec["recipe"], spec["recipe"]["source"])
     trainer = Trainer(recipe, run_dir, Path(spec["data_dir"]))
+    clean = False
     try:
         tokens = torch.stack([trainer.val_set[i][0] for i in range(PROBE_SAMPLES)]).to(trainer.device)
         with torch.no_grad():
@@ -33,8 +34,9 @@ def main(run_dir: Path) -> None:
         torch.save(trainer.adapter.model.state_dict(), run_dir / f"state-{trainer.ctx.rank}.pt")
         if trainer.reporting:
             torch.save({"before": before.cpu(), "after": after.cpu()}, run_dir / "logits.pt")
+        clean = True
     finally:
-        trainer.close()
+        trainer.close(clean)
 
 
 if __name__ == "__main__":
