@@ -91,9 +91,16 @@ class Recipe:
         return {**data, **{section_key(name): value for name, value in sections.items()}}
 
     def fingerprint(self) -> str:
-        """SHA-256 of the canonical resolved recipe (its source path excluded)."""
-        data = {k: v for k, v in self.to_dict().items() if k != "source"}
-        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        """SHA-256 of the canonical resolved recipe: what this run depends on. Its source path and the
+        sections of other frameworks are left out, so adding a framework to a recipe file does not
+        make every finished run of the others look new to the Table 2 matrix or to --resume."""
+        data = json.dumps(self.own_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(data.encode()).hexdigest()
+
+    def own_dict(self) -> dict[str, Any]:
+        """to_dict() without the source path and the sections of frameworks other than the run's."""
+        others = {section_key(name) for name in self.frameworks if name != self.run.framework}
+        return {k: v for k, v in self.to_dict().items() if k != "source" and k not in others}
 
     def run_name(self) -> str:
         return f"{self.workload}-{self.run.framework}-{self.run.gpus}g-{self.scale}-s{self.seed}"
@@ -109,7 +116,7 @@ class Recipe:
             else:
                 out[prefix] = json.dumps(value) if isinstance(value, list) else str(value)
 
-        walk("", {k: v for k, v in self.to_dict().items() if k != "source"})
+        walk("", self.own_dict())
         return out
 
 

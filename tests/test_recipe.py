@@ -86,3 +86,10 @@ def test_round_trip_through_plain_data_keeps_the_fingerprint() -> None:
     again = resolve(recipe.to_dict(), recipe.source)
     assert again.fingerprint() == recipe.fingerprint()
     assert again.run_name() == "vgg16-ddp-2g-smoke-s1234"
+
+
+def test_fingerprint_ignores_other_frameworks_sections() -> None:
+    base = load_file(recipe_path("gpt2", "smoke"))
+    assert load_file(recipe_path("gpt2", "smoke"), ["zero.stage=3"]).fingerprint() == base.fingerprint()
+    as_zero = load_file(recipe_path("gpt2", "smoke"), ["run.framework=zero"])
+    assert load_file(recipe_path("gpt2", "smoke"), ["run.framework=zero", "zero.stage=3"]).fingerprint() != as_zero.fingerprint()
