@@ -209,6 +209,7 @@ def check(recipe: Recipe, source: str) -> None:
     if recipe.train.max_steps is not None and recipe.train.max_steps < 1:
         raise RecipeError(source, "train.max_steps", f"must be at least 1, got {recipe.train.max_steps}")
     adapter = registry.load(registry.FRAMEWORKS[run.framework].adapter)
+    adapter.check_workload(recipe, source)
     adapter.check(recipe, source)
 
 

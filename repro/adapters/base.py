@@ -20,6 +20,7 @@ from torch import nn
 from repro import launch
 from repro.checkpoint import atomic_torch_save
 from repro.metrics import model_state
+from repro.schema import RecipeError
 from repro.recipe import FrameworkOptions, Recipe
 from repro.workloads import Workload
 
@@ -61,6 +62,16 @@ class Adapter:
         self.optimizer: torch.optim.Optimizer | None = None
 
     # -- class-level facts, used before any process starts ------------------------------------
+    workloads: tuple[str, ...] = ("vgg16", "gpt2")  # the workloads this framework applies to
+    not_applicable_because: str = ""  # why it does not apply to the others
+
+    @classmethod
+    def check_workload(cls, recipe: Recipe, source: str) -> None:
+        """One line saying why this framework does not apply to the recipe's workload, if it does not."""
+        if recipe.workload not in cls.workloads:
+            raise RecipeError(source, "run.framework", f"{recipe.run.framework} is not applicable to "
+                              f"{recipe.workload}: {cls.not_applicable_because}")
+
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
         """Raise RecipeError (naming the field) when the recipe cannot run under this framework."""

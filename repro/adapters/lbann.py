@@ -46,14 +46,12 @@ class LBANNOptions(FrameworkOptions):
 class LBANNAdapter(Adapter):
     Options = LBANNOptions
 
+    workloads = ("vgg16",)
+    not_applicable_because = ("the kit translates only VGG-16 into LBANN's layers (LBANN 0.104 ships no GPT-2 "
+                              "model); use ddp, zero or megatron")
+
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
-        if recipe.workload != "vgg16":
-            raise RecipeError(
-                source, "run.framework",
-                f"lbann is not applicable to {recipe.workload}: the kit translates only VGG-16 into LBANN's "
-                "layers (LBANN 0.104 ships no GPT-2 model); use ddp, zero or megatron",
-            )
         train = recipe.train
         if train.precision != "fp32":
             raise RecipeError(

@@ -223,13 +223,11 @@ def parallel_gpt2(plain: nn.Sequential, spec: GPT2Spec, par: ParallelContext, lo
 class MegatronAdapter(Adapter):
     Options = MegatronOptions
 
+    workloads = ("gpt2",)
+    not_applicable_because = "Megatron's intra-layer scheme targets transformers"
+
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
-        if recipe.workload != "gpt2":
-            raise RecipeError(
-                source, "run.framework",
-                f"megatron: Megatron's intra-layer scheme targets transformers, not {recipe.workload} (not applicable)",
-            )
         tp, gpus, spec = recipe.options("megatron").tp, recipe.run.gpus, recipe.model
         if tp < 1:
             raise RecipeError(source, "megatron.tp", f"must be at least 1, got {tp}")
