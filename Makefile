@@ -5,6 +5,8 @@ SCALE ?= smoke
 PYTEST_ARGS ?=
 # `--editable` for a checkout you work in; the image installs a regular copy (EDITABLE=).
 EDITABLE ?= --editable
+# The image installs the runtime pins only; a checkout also gets the test and lint tools.
+REQUIREMENTS ?= requirements.txt
 # Containers: image name and tag, the pinned base (see Dockerfile), GPU architectures, LBANN on or off.
 IMAGE ?= repro
 TAG ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo dev)
@@ -25,13 +27,13 @@ help:  ## list targets
 
 setup:  ## create .venv and install the kit with its pinned dependencies
 	$(VENV_PYTHON) -m venv .venv
-	$(MAKE) install PYTHON=.venv/bin/python
+	$(MAKE) install PYTHON=.venv/bin/python REQUIREMENTS=requirements-dev.txt
 
 install: install-requirements install-kit  ## install pinned requirements and the kit into $(PYTHON) (the image runs these same two steps)
 
-install-requirements:  ## the pinned requirements only (the image's dependency layer)
+install-requirements:  ## the pinned $(REQUIREMENTS) only (the image's dependency layer)
 	$(PYTHON) -m pip install --upgrade pip
-	$(PYTHON) -m pip install -r requirements.txt
+	$(PYTHON) -m pip install -r $(REQUIREMENTS)
 
 install-kit:  ## the kit itself, without dependencies (the image's source layer)
 	$(PYTHON) -m pip install --no-deps $(EDITABLE) .
