@@ -104,6 +104,16 @@ def run_tags(recipe: Recipe, data_sha: str, run_dir: Path) -> dict[str, str]:
     return {**{f"{tracking.TAG_PREFIX}{k}": str(v) for k, v in tags.items()}, **source}
 
 
+def run_params(recipe: Recipe) -> dict[str, str]:
+    """The recipe's fields, and what the framework really trains with under `effective.*` (the same
+    names for every framework, so MLflow's compare view lines them up)."""
+    params = recipe.flat()
+    if recipe.optimizer() is not recipe.train.optimizer:  # the framework's section overrides the workload's
+        params = {k: v for k, v in params.items() if not k.startswith("train.optimizer.")}
+    effective = registry.adapter_class(recipe.run.framework).effective(recipe)
+    return {**params, **{f"effective.{k}": str(v) for k, v in effective.items()}}
+
+
 class OutputPump(threading.Thread):
     """Copies the job's output to the terminal and the run folder, keeping the last lines."""
 
@@ -230,8 +240,8 @@ def new_run(
     """A new run folder and MLflow run; RUN_DIR/run.json tells every rank of every node the recipe and run id."""
     run_dir = new_run_dir(recipe, options.run_dir)
     dataset_input = (recipe.data.dataset, data_sha, str(data_dir.resolve()))
-    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha, run_dir), recipe.flat(),
-                              dataset_input)
+    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha, run_dir),
+                              run_params(recipe), dataset_input)
     spec = {
         "recipe": recipe.to_dict(), "data_dir": str(data_dir.resolve()), "data_sha256": data_sha,
         "tracking_uri": uri, "mlflow_run_id": run.run_id,
