@@ -200,3 +200,10 @@ def unfinished_runs(uri: str) -> list[tuple[str, str, dict[str, str]]]:
         for run in mlflow_client.search_runs(ids, f"attributes.status = '{status}'", max_results=50000) if ids else []:
             found.append((run.info.run_id, run.info.status, run.data.tags))
     return found
+
+
+def runs_view(uri: str, experiment: str, address: str) -> str:
+    """The address of the MLflow UI's runs table of `experiment` (the UI opens an experiment on its GenAI
+    overview otherwise), or of the experiments list while the experiment does not exist."""
+    found = client(uri).get_experiment_by_name(experiment)
+    return f"{address}/#/experiments/{found.experiment_id}/runs" if found else f"{address}/#/experiments"
