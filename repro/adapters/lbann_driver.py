@@ -20,8 +20,8 @@ from typing import Any
 from repro import events, launch, registry
 from repro.adapters import lbann as translation
 from repro.adapters.lbann_log import GIB, Epoch, parse, trainer_epochs
-from repro.loop import RUN_FILE
 from repro.recipe import Recipe, resolve
+from repro.runfiles import RUN_FILE
 
 WORK_DIR = "lbann"
 EXPERIMENT_SCRIPT = Path(__file__).with_name("lbann_experiment.py")
