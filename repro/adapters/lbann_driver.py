@@ -40,6 +40,11 @@ def lbann_python() -> str:
     return os.environ.get("LBANN_PYTHON") or str(Path(lbann_program()).parent / "python3")
 
 
+def export_prototext(plan_file: Path, prototext: Path) -> None:
+    """Build the plan with LBANN's front end, under LBANN's own Python (lbann_experiment.py says why)."""
+    subprocess.run([lbann_python(), "-I", str(EXPERIMENT_SCRIPT), str(plan_file), str(prototext)], check=True)
+
+
 def metric(values: dict[str, float | None], *names: str) -> float | None:
     """The first of `names` that has a number."""
     return next((values[n] for n in names if values.get(n) is not None), None)
@@ -99,8 +104,7 @@ class Job:
 
     def write_prototext(self) -> Path:
         prototext = self.work / "experiment.prototext"
-        subprocess.run([lbann_python(), "-I", str(EXPERIMENT_SCRIPT), str(self.work / "plan.json"), str(prototext)],
-                       check=True)
+        export_prototext(self.work / "plan.json", prototext)
         return prototext
 
     def command(self, prototext: Path) -> list[str]:
