@@ -45,8 +45,8 @@ def export_prototext(plan_file: Path, prototext: Path) -> None:
     subprocess.run([lbann_python(), "-I", str(EXPERIMENT_SCRIPT), str(plan_file), str(prototext)], check=True)
 
 
-def metric(values: dict[str, float | None], *names: str) -> float | None:
-    """The first of `names` that has a number."""
+def metric(values: dict[str, float], *names: str) -> float | None:
+    """The value of the first of `names` that the epoch printed (nan and inf included: a diverged run)."""
     return next((values[n] for n in names if values.get(n) is not None), None)
 
 
