@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,8 +48,7 @@ def frontend(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lbann")
     schema = compile_schema(LBANN_PYTHON, root / "proto")
     site = root / "site"
-    site.mkdir()
-    subprocess.run(["cp", "-r", str(VENDOR / "python" / "lbann"), str(site)], check=True)
+    shutil.copytree(VENDOR / "python" / "lbann", site / "lbann")
     # What LBANN's CMake build writes (cmake/modules/LBANNWritePythonFeatures.cmake), with no features.
     (site / "lbann" / "lbann_features.py").write_text(
         "lbann_features = set()\n\n\ndef has_feature(name):\n    return name.upper() in lbann_features\n\n\n"
@@ -69,15 +69,17 @@ def frontend(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"LBANN_PYTHON": str(python / "bin" / "python"), "LBANN_PYTHON_CONFIG_FILE": str(config)}
 
 
-def export(recipe, classes: int, tmp_path: Path, frontend: dict[str, str], monkeypatch) -> str:
-    plan = translation.plan(recipe, Path("/data/set"), Path("/runs/r/lbann"), classes)
-    plan_file = tmp_path / "plan.json"
-    plan_file.write_text(json.dumps(plan))
+def recipe_plan(recipe, classes: int) -> dict:
+    return translation.plan(recipe, Path("/data/set"), Path("/runs/r/lbann"), classes)
+
+
+def export(plan: dict, tmp_path: Path, frontend: dict[str, str], monkeypatch) -> Path:
+    """The driver's own export of `plan`, under LBANN's Python; the prototext's path."""
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
     for key, value in frontend.items():
         monkeypatch.setenv(key, value)
-    prototext = tmp_path / "experiment.prototext"
-    export_prototext(plan_file, prototext)
-    return prototext.read_text()
+    export_prototext(tmp_path / "plan.json", tmp_path / "experiment.prototext")
+    return tmp_path / "experiment.prototext"
 
 
 # -- the experiment read back: lines that say what it holds, independent of the front end's order -----
@@ -300,7 +302,7 @@ def test_frontend_exports_what_the_recipe_says(case: str, schema, frontend, tmp_
 
     scale, overrides, classes = RECIPES[case]
     recipe = load_file(recipe_path("vgg16", scale), ["run.framework=lbann", *overrides])
-    text = export(recipe, classes, tmp_path, frontend, monkeypatch)
+    text = export(recipe_plan(recipe, classes), tmp_path, frontend, monkeypatch).read_text()
     experiment = text_format.Parse(text, schema.LbannPB())  # raises on any name the schema lacks
     assert sorted(model_lines(experiment.model)) == sorted(expected_model_lines(recipe, classes))
     assert sorted(run_lines(experiment)) == sorted(expected_run_lines(recipe, classes))
@@ -313,12 +315,8 @@ def test_frontend_exports_what_the_recipe_says(case: str, schema, frontend, tmp_
 
 
 def test_a_misspelled_transform_fails_the_export(frontend, tmp_path: Path, monkeypatch) -> None:
-    recipe = load_file(recipe_path("vgg16", "smoke"), ["run.framework=lbann"])
-    plan = translation.plan(recipe, Path("/data/set"), Path("/runs/r/lbann"), 10)
-    plan["readers"][0]["transforms"][1] = {"colourize": {}}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    for key, value in frontend.items():
-        monkeypatch.setenv(key, value)
+    misspelt = recipe_plan(load_file(recipe_path("vgg16", "smoke"), ["run.framework=lbann"]), 10)
+    misspelt["readers"][0]["transforms"][1] = {"colourize": {}}
     with pytest.raises(subprocess.CalledProcessError):
-        export_prototext(tmp_path / "plan.json", tmp_path / "experiment.prototext")
+        export(misspelt, tmp_path, frontend, monkeypatch)
     assert not (tmp_path / "experiment.prototext").exists()
