@@ -47,7 +47,7 @@ def export_prototext(plan_file: Path, prototext: Path) -> None:
 
 def metric(values: dict[str, float], *names: str) -> float | None:
     """The value of the first of `names` that the epoch printed (nan and inf included: a diverged run)."""
-    return next((values[n] for n in names if values.get(n) is not None), None)
+    return next((values[n] for n in names if n in values), None)
 
 
 def epoch_events(epoch: Epoch, elapsed_s: float, steps_per_epoch: int, samples: int,
