@@ -159,6 +159,8 @@ def test_label_lists_are_the_samples_the_other_frameworks_read(tmp_path: Path) -
     Job.write_label_list(val, root / "val", tmp_path / "val.txt")
     lines = (tmp_path / "train.txt").read_text().splitlines()
     assert len(lines) == 100 and len((tmp_path / "val.txt").read_text().splitlines()) == len(val)
+    # LBANN's image reader refuses a label outside [0, num_labels) (src/data_readers/data_reader_image.cpp).
+    assert {int(line.split()[1]) for line in lines} <= set(range(10))
     for index in (0, 57, 99):
         relative, label = lines[index].split()
         image, target = train[index]
