@@ -25,7 +25,7 @@ import psutil
 
 from repro import events, tracking
 from repro.checkpoint import atomic_write_text
-from repro.loop import RUN_FILE
+from repro.runfiles import RUN_FILE
 
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe, logged when the run is created
 STATE_FILE = "delivery.json"

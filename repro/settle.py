@@ -17,7 +17,7 @@ import psutil
 
 from repro import events, slurm, tracking
 from repro.delivery import HEARTBEAT_FILE, Delivery, Outcome
-from repro.loop import RUN_FILE
+from repro.runfiles import RUN_FILE
 
 STALE_S = 120.0  # the follower beats every few seconds; this much silence means it is gone
 REASON_TAG = "repro.settled"
