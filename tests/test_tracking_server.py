@@ -28,8 +28,15 @@ def served(repro: Repro, tracking_server) -> Repro:
     """`repro` in a scratch folder, logging to the PostgreSQL-backed server; the follower gives up after 3 s."""
     repro.env["MLFLOW_TRACKING_URI"] = tracking_server.uri
     repro.env["REPRO_DELIVERY_BUDGET_S"] = "3"
-    repro.env["XDG_CACHE_HOME"] = str(repro.cwd / "cache")  # data checks: a hash cache no other process rewrites
+    isolate_caches(repro)
     return repro
+
+
+def isolate_caches(repro: Repro) -> None:
+    """The data checks' hash cache of this test alone (no other process rewrites it); compiled
+    extensions (DeepSpeed's) from the usual place, not built again."""
+    repro.env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    repro.env["XDG_CACHE_HOME"] = str(repro.cwd / "cache")
 
 
 def client(uri: str):

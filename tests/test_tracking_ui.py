@@ -15,6 +15,7 @@ import pytest
 
 from conftest import REPO, Repro
 from mlflow_server import free_port
+from test_tracking_server import isolate_caches
 
 PAGE_BUDGET_MS = 30000  # Chromium's virtual time for the single-page app to fetch and render
 WINDOW = "3000,1400"  # wide enough for the runs table to show its Dataset, Source and Version columns
@@ -66,7 +67,7 @@ def ui(tracking_server) -> str:
 @pytest.mark.slow
 def test_runs_view_shows_dataset_digest_and_commit(repro: Repro, tracking_server, request) -> None:
     repro.env["MLFLOW_TRACKING_URI"] = tracking_server.uri
-    repro.env["XDG_CACHE_HOME"] = str(repro.cwd / "cache")
+    isolate_caches(repro)
     done = repro("run", "gpt2", "--max-steps", "2", "--experiment", "ui", "--set", "data.max_train_samples=32",
                  "--set", "data.max_val_samples=8", "--run-dir", "runs/ui")
     assert done.returncode == 0, done.stderr[-3000:]
