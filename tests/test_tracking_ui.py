@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from conftest import REPO, Repro
-from mlflow_server import free_port
+from mlflow_server import START_TIMEOUT_S, free_port
 from test_tracking_server import isolate_caches
 
 PAGE_BUDGET_MS = 30000  # Chromium's virtual time for the single-page app to fetch and render
@@ -46,7 +46,7 @@ def ui(tracking_server) -> str:
         first = process.stdout.readline()
         address = first.removeprefix("runs view: ").strip()
         assert first.startswith("runs view: http://127.0.0.1:"), first
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
