@@ -83,7 +83,7 @@ def assert_exactly_once(uri: str, run_dir: Path, status: str) -> None:
     assert run.data.tags["mlflow.source.git.commit"] == run.data.tags["repro.git_sha"]
     (dataset,) = run.inputs.dataset_inputs
     assert dataset.dataset.digest == recorded["data_sha256"][:36]
-    artifacts = {a.path: a.file_size for a in client(uri).list_artifacts(run.info.run_id)}
+    artifacts = {a.path: a.file_size or 0 for a in client(uri).list_artifacts(run.info.run_id)}  # None: empty
     files = {p.name: p.stat().st_size for p in deliverable_files(run_dir)}
     assert {k: v for k, v in artifacts.items() if k not in CREATION_ARTIFACTS} == files
     assert CREATION_ARTIFACTS <= artifacts.keys()
