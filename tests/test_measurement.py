@@ -104,3 +104,42 @@ def test_step_time_summary_gives_median_deciles_and_count():
     assert summary == {"median": 6.0, "p10": 2.0, "p90": 10.0, "mean": 6.0, "count": 11}
     assert step_time_summary([])["count"] == 0 and step_time_summary([0.5])["p90"] == 0.5
     json.dumps(summary)  # goes into the epoch event as it is
+
+
+# -- repeats ------------------------------------------------------------------------------------------
+
+def test_repeats_run_with_their_own_seeds_and_the_first_keeps_the_recipe_fingerprint():
+    from repro import table2
+
+    matrix = table2.load_matrix(rows=["ddp"])
+    once, thrice = table2.expand(matrix, "smoke"), table2.expand(matrix, "smoke", repeats=3)
+    assert len(thrice) == 3 * len(once)
+    first, second, third = thrice[:3]
+    assert [c.recipe.seed for c in (first, second, third)] == [1234, 2234, 3234]
+    assert first.recipe.fingerprint() == once[0].recipe.fingerprint()  # a store without repeats is reused
+    assert len({c.recipe.fingerprint() for c in thrice}) == len(thrice)  # each repeat resumes on its own
+    assert (first.label, third.label) == ("gpt2 ddp 1g", "gpt2 ddp 1g #3")
+
+
+def test_median_interval_is_the_sign_test_interval_with_its_coverage():
+    from repro.report.collect import median_interval
+
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)  # 3 repeats: min..max covers 75%
+    low, high, coverage = median_interval([float(i) for i in range(10)])
+    assert (low, high) == (1.0, 8.0) and coverage == pytest.approx(1 - 2 * 11 / 1024)
+
+
+def test_repeats_fold_into_one_result_and_times_compare_only_when_intervals_separate():
+    from repro import table2
+    from repro.report.collect import Result, fold_repeats, not_separable
+
+    matrix = table2.load_matrix(rows=["ddp", "zero"])
+    cells = [c for c in table2.expand(matrix, "smoke", repeats=3) if c.gpus == 2 and c.workload == "gpt2"]
+    times = {"ddp": [1.0, 1.1, 1.2], "zero": [1.15, 1.3, 1.4]}
+    results = [Result(c, "FINISHED", epoch_s=[times[c.row][c.repeat]] * 2) for c in cells]
+    ddp, zero = fold_repeats(results)
+    assert (ddp.repeat_epoch_s, ddp.seeds, ddp.epoch_time) == ([1.0, 1.1, 1.2], [1234, 2234, 3234], 1.1)
+    assert ddp.epoch_interval() == (1.0, 1.2, 0.75)
+    assert not_separable(ddp, zero) == "not separable at 3 repeats"  # 1.0-1.2 overlaps 1.15-1.4
+    zero.repeat_epoch_s = [1.25, 1.3, 1.4]
+    assert ddp.separated_from(zero) and not_separable(ddp, zero) is None
