@@ -40,9 +40,10 @@ def spread(r: Result) -> dict[str, Any]:
 def note(r: Result) -> str:
     """Why a cell has no numbers, or that its times span a stop and a resume."""
     if r.ok:
-        notes = [f"resumed from step {r.resumed_from_step}"] * bool(r.resumed_from_step)
+        notes = [f"resumed from step {r.resumed_from_step}"] if r.resumed_from_step else []
         interval = r.epoch_interval()
-        notes += [f"epoch_s interval: {interval[2]:.0%} coverage; seeds {', '.join(map(str, r.seeds))}"] * bool(interval)
+        if interval:
+            notes.append(f"epoch_s interval: {interval[2]:.0%} coverage; seeds {', '.join(map(str, r.seeds))}")
         return "; ".join(notes)
     return r.error.strip().splitlines()[-1][:120] if r.error else r.status
 
