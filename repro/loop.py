@@ -32,8 +32,8 @@ from repro.metrics import (
     WARMUP_STEPS, StepClock, Timer, device_name, device_used_bytes, peak_memory_bytes, step_time_summary,
 )
 from repro.recipe import Recipe, resolve
+from repro.runfiles import RUN_FILE
 
-RUN_FILE = "run.json"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption and SLURM's warning before the time limit
 # Steps between the loop's reads of the device (rounded up to a multiple of train.log_every): the
 # window's losses are reduced in one collective and its step events written.
