@@ -10,7 +10,7 @@
 - the smoke `reproduce-table2` wall time from a fresh MLflow store.
 
 Writes reports/bench.json, each figure beside its goal, with the load average before and after (a
-loaded machine inflates every time). Usage: python bench/run.py [--only overhead,verify,table2]
+loaded machine inflates every time). Usage: python bench/run.py [--only overhead,verify,table2] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from repro.data import HashCache, hash_tree, verify_tree
 from repro.metrics import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, ROUNDS, PROCESSES = 60, 3, 2  # 60 steps: one epoch of the smoke GPT-2 at 2 processes has 64
+STEPS, PROCESSES = 60, 2  # 60 steps: one epoch of the smoke GPT-2 at 2 processes has 64
 GOALS = {"overhead": 0.02, "verify_per_core": 0.9, "cached_verify_s": 2.0, "table2_s": 480.0, "table2_again_s": 60.0}
 
 
@@ -55,11 +55,11 @@ def minimal_steps(framework: str, scratch: Path) -> dict[str, float]:
     return {"mean": statistics.fmean(steady), "median": statistics.median(steady), "count": len(steady)}
 
 
-def overhead(framework: str) -> dict[str, object]:
-    """Kit against baseline in ROUNDS alternating pairs (the order flips each round)."""
+def overhead(framework: str, count: int) -> dict[str, object]:
+    """Kit against baseline in `count` alternating pairs (the order flips each round)."""
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        for index in range(ROUNDS):
+        for index in range(count):
             pair = {}
             for side in (("repro", "minimal") if index % 2 == 0 else ("minimal", "repro")):
                 pair[side] = (repro_steps if side == "repro" else minimal_steps)(framework, Path(tmp))
@@ -130,11 +130,14 @@ def table2_wall() -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="overhead,verify,table2")
-    parts = parser.parse_args().only.split(",")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating kit/baseline pairs per framework")
+    parser.add_argument("--frameworks", default="ddp,zero", help="frameworks of the overhead figure")
+    args = parser.parse_args()
+    parts = args.only.split(",")
     results: dict[str, object] = {"cores": os.cpu_count(), "load_before": os.getloadavg()}
     if "overhead" in parts:
-        for framework in ("ddp", "zero"):
-            results[f"overhead_{framework}"] = figure = overhead(framework)
+        for framework in args.frameworks.split(","):
+            results[f"overhead_{framework}"] = figure = overhead(framework, args.rounds)
             rounds = ", ".join(f"{value:+.1%}" for value in figure["per_round"])
             print(f"harness overhead {framework}: {figure['overhead']:+.1%} (goal <= {GOALS['overhead']:.0%}) "
                   f"({figure['repro_step_s'] * 1e3:.2f} ms vs {figure['minimal_step_s'] * 1e3:.2f} ms per step; "
