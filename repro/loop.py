@@ -184,7 +184,7 @@ class Trainer:
             for inputs, targets in self.loader(self.val_set, sampler):
                 sums = self.adapter.eval_step(inputs, targets)
                 if sums is not None:
-                    totals += sums.detach().double()
+                    totals += sums.detach().to(self.device, torch.float64)  # torchgpipe: on its last GPU
         finally:
             self.adapter.set_training(True)
         totals = torch.tensor(self.host_read("validation", self.adapter.reduce_metric_sums(totals)), dtype=torch.float64)
