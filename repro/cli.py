@@ -152,14 +152,19 @@ def attach(run_dir: Path, command: tuple[str, ...]) -> None:
 @click.option("--reports-only", is_flag=True, help="Write the reports from MLflow without running anything.")
 @click.option("--rows", help="Comma-separated framework rows to keep (default: all rows of the matrix).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field in every cell's recipe.")
+@click.option("--dry-run", is_flag=True,
+              help="Check every cell and print the plan (held, to run, cannot run here and why); run and write nothing.")
 def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports: Path, gpus_per_node: int | None,
-           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...]) -> None:
+           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...], dry_run: bool) -> None:
     """Re-run the paper's comparison matrix and write Table 2, figures and findings.
 
     \b
     Runs every cell (workload x framework x GPU count, configs/table2.yaml) that MLflow does not
     already hold for the same recipe fingerprint, so an interrupted matrix resumes and a second
     call only rebuilds reports/: table2_platforms.*, results.{md,csv,tex}, *.png, findings.md.
+    Every cell is checked first (recipe, data present and verified, devices or a launcher that
+    provides them); a cell that cannot run here gets one line with the reason and the fixing command,
+    and the reports carry that reason.
     """
     from repro import tracking
     from repro import table2 as matrix_module
@@ -172,10 +177,15 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
     except KeyError as error:
         fail(error.args[0])
     cells = matrix_module.expand(matrix, scale, list(overrides), gpus_per_node)
+    if dry_run:
+        todo, _ = matrix_module.plan(cells, uri, experiment, retry_failed)
+        for cell in todo:
+            click.echo(f"{cell.label:<28} to run")
+        return
     if not reports_only:
         counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed)
         click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
-                   f"{counts['skipped']} skipped", err=True)
+                   f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
     for path in write_reports(cells, uri, experiment, reports, scale):
         click.echo(str(path))
 

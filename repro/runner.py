@@ -91,9 +91,19 @@ def preflight(recipe: Recipe, options: Launch) -> Verified:
     """The one validation pass after the recipe's own, before anything starts (and all --dry-run
     does): the framework is installed, the launching options fit, the devices exist, the data
     verifies and holds at least one global batch. Raises LaunchError, DataError or RecipeError."""
+    check_machine(recipe, options)
+    return check_data(recipe)
+
+
+def check_machine(recipe: Recipe, options: Launch) -> None:
+    """The framework is installed here, the launching options fit, the devices exist."""
     registry.adapter_class(recipe.run.framework)  # unavailable frameworks fail before anything starts
     check_launch(recipe, options)
     check_devices(recipe, options)
+
+
+def check_data(recipe: Recipe) -> Verified:
+    """The data verifies (unless allowed not to) and holds at least one global batch."""
     data = verify_data(recipe)
     check_data_size(recipe, data.root)
     return data
