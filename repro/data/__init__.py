@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,9 @@ from typing import Callable, Iterable
 MANIFESTS = Path(__file__).parent / "manifests"
 LOCAL_MANIFEST = "MANIFEST.sha256"
 SYNTHETIC = "synthetic"
+# A file changed within this long before it was hashed may change again with the same ctime (file
+# systems keep coarse timestamps); its cached hash is not trusted, as git treats "racily clean" entries.
+RACY_NS = 2_000_000_000
 
 
 class DataError(RuntimeError):
@@ -90,11 +94,13 @@ class HashCache:
         self.dirty = False
 
     def lookup(self, file: str, stat: os.stat_result) -> str | None:
-        hit = self.entries.get(file)
-        return hit[-1] if hit and hit[:-1] == stat_key(stat) else None
+        hit = self.entries.get(file)  # [*stat_key, hashed_at_ns, digest]
+        if not hit or hit[:-2] != stat_key(stat) or stat.st_ctime_ns > hit[-2] - RACY_NS:
+            return None
+        return hit[-1]
 
-    def store(self, file: str, stat: os.stat_result, digest: str) -> None:
-        self.entries[file] = [*stat_key(stat), digest]
+    def store(self, file: str, stat: os.stat_result, digest: str, hashed_at_ns: int) -> None:
+        self.entries[file] = [*stat_key(stat), hashed_at_ns, digest]
         self.dirty = True
 
     def save(self) -> None:
@@ -133,12 +139,14 @@ def verify_tree(root: Path, entries: dict[str, str], deep: bool = False, cache: 
         stats.append(stat)
         if deep or cache.lookup(file, stat) != entries[name]:
             todo.append((file, stat))
+    hashed_at, fresh = time.time_ns(), {}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for (file, stat), digest in zip(todo, pool.map(sha256_file, [f for f, _ in todo])):
-            cache.store(file, stat, digest)
+            cache.store(file, stat, digest, hashed_at)
+            fresh[file] = digest
     cache.save()
     for file, stat, name in zip(files, stats, sorted(entries)):
-        got = cache.lookup(file, stat)
+        got = fresh.get(file) or cache.lookup(file, stat)
         if got != entries[name]:
             raise DataError(f"{root / name}: checksum mismatch (expected {entries[name][:16]}..., got {got[:16]}...)")
     if deep or len(todo) == len(files):
