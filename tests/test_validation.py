@@ -21,7 +21,7 @@ from repro import cli, hardware, registry, runner, tracking
 from repro.data.sets import DATASETS
 from repro.recipe import SCALES, recipe_path
 
-CASES_PER_CLASS = 40
+CASES_PER_CLASS = 30
 TESTED: Counter[str] = Counter()  # cases walked per class
 
 VGG16 = ["vgg16"]  # digits: the smoke data every checkout has
@@ -205,12 +205,10 @@ def test_bad_input_is_refused_in_one_line_before_launch(name: str, nothing_may_s
 
 
 @pytest.mark.parametrize("args, recipe", [
-    (["gpt2"], b"- 1\n- 2\n"),
     (["gpt2"], b"workload: gpt2\n\xff\n"),
     (["gpt2", "--set", "run=5"], None),
-    (["gpt2", "--set", "train.optimizer.lr=.nan"], None),
-    (["vgg16", "--gpus", "1000000"], None),
-], ids=["list", "invalid-utf8", "run=5", "lr-nan", "million-gpus"])
+    (["vgg16", "--gpus", "1000000", "--set", "data.max_train_samples=null"], None),
+], ids=["invalid-utf8", "run=5", "million-gpus"])
 def test_real_command_line_refuses_in_one_line(repro, args: list[str], recipe: bytes | None) -> None:
     if recipe is not None:
         (repro.cwd / "recipe.yaml").write_bytes(recipe)
@@ -220,3 +218,39 @@ def test_real_command_line_refuses_in_one_line(repro, args: list[str], recipe: b
     assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("repro: "), out.stderr
     assert "Traceback" not in out.stderr
     assert not (repro.cwd / "mlflow.db").exists() and not (repro.cwd / "runs").exists()
+
+
+def test_table2_names_why_each_cell_cannot_run_and_reports_carry_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paper scale with no paper data (and, here, fewer GPUs than the cells): every cell gets one line
+    with the reasons and the fixing commands, --dry-run runs nothing, the report says the same."""
+    from repro import table2
+    from repro.report.collect import collect
+
+    monkeypatch.setenv("REPRO_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("REPRO_STAGED_DATA", str(tmp_path / "nothing-staged"))
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = CliRunner().invoke(cli.main, ["table2", "--scale", "paper", "--rows", "ddp", "--dry-run", "--tracking-uri", uri])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if " cannot run: " in line]
+    assert len(lines) == 14 and result.stdout == ""  # 2 workloads x 7 GPU counts, none to run
+    assert "matrix: 14 runs, 0 already in MLflow, 0 to run, 14 cannot run here" in result.stderr
+    assert not (tmp_path / "reports").exists() and not (tmp_path / "runs").exists()
+    for line in lines:
+        workload, _, gpus = line.split()[:3]
+        gpus = int(gpus.removesuffix("g"))
+        per_node = min(gpus, 4)  # configs/table2.yaml: 4 GPUs per node at paper scale
+        fix = "repro data prepare wikitext-103" if workload == "gpt2" else "repro data prepare imagenet"
+        assert fix in line, line
+        if gpus > per_node:
+            assert f"--nodes {gpus // per_node} with the local launcher" in line, line
+            assert f"fix: repro run {workload} --framework ddp --gpus {gpus} --nodes {gpus // per_node} --scale paper " \
+                   f"--launcher slurm --experiment table2-paper" in line, line
+        elif hardware.gpu_count() < per_node:
+            assert f"needs {per_node} GPU{'s' * (per_node > 1)}, this machine has {hardware.gpu_count()}" in line, line
+
+    cells = table2.expand(table2.load_matrix(rows=["ddp"]), "paper")
+    todo, counts = table2.plan(cells, uri, "table2-paper", out=lambda line: None)
+    assert todo == [] and counts["blocked"] == 14
+    results = collect(cells, uri, "table2-paper")
+    assert [r.error for r in results] == [c.skip for c in cells] and all(r.status == "missing" for r in results)
