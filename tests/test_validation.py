@@ -38,7 +38,6 @@ INT_FIELDS = ["train.epochs", "train.batch_per_gpu", "train.max_steps", "train.l
 FLOAT_FIELDS = ["train.optimizer.lr", "train.optimizer.weight_decay", "train.optimizer.momentum",
                 "train.optimizer.eps", "train.grad_clip", "model.dropout"]
 POSITIVE_FLOATS = ["train.optimizer.lr", "train.optimizer.eps", "train.grad_clip"]
-GPT2_FIELDS = ["model.n_layer", "model.d_model", "model.n_head", "model.seq_len"]
 
 # YAML-dumped by `setting`, so each keeps its Python type: a string stays a string, 2.0 stays a float
 not_int = st.one_of(st.text(min_size=1, max_size=8), st.lists(st.integers(), max_size=3),
