@@ -21,7 +21,7 @@ from repro import cli, hardware, registry, runner, tracking
 from repro.data.sets import DATASETS
 from repro.recipe import SCALES, recipe_path
 
-CASES_PER_CLASS = 30
+CASES_PER_CLASS = 22
 TESTED: Counter[str] = Counter()  # cases walked per class
 
 VGG16 = ["vgg16"]  # digits: the smoke data every checkout has
