@@ -4,9 +4,14 @@ A cell is one recipe run (workload x framework row x GPU count). Cells are ident
 recipe fingerprint, so an interrupted matrix resumes where it stopped and a second call only
 rebuilds the reports. Cells that do not apply (Megatron on VGG-16) or cannot run here (LBANN
 without its binary) are kept with the reason, so the report can show them.
+
+With `repeats` N, each cell runs N times: repeat 0 with the recipe's seed (so a store made without
+repeats is reused), repeat r with seed + r x REPEAT_SEED_STRIDE. The seed is part of the recipe, so
+each repeat has its own fingerprint (resumable as any cell) and its seed is recorded with its run.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -19,6 +24,8 @@ import yaml
 from repro import registry
 from repro.recipe import Recipe, configs_dir, load_file, recipe_path
 from repro.schema import RecipeError, build
+
+REPEAT_SEED_STRIDE = 1000  # repeats' master seeds lie this far apart (per-rank seeds derive from them)
 
 
 @dataclass
@@ -50,10 +57,11 @@ class Cell:
     recipe: Recipe | None = None
     skip: str | None = None  # why the cell is not run: not applicable, unavailable or unable to run here
     overrides: list[str] = field(default_factory=list)  # what the row and the command line set in its recipe
+    repeat: int = 0  # which of the matrix's repeats (0: the recipe's own seed)
 
     @property
     def label(self) -> str:
-        return f"{self.workload} {self.row} {self.gpus}g"
+        return f"{self.workload} {self.row} {self.gpus}g" + (f" #{self.repeat + 1}" if self.repeat else "")
 
 
 def matrix_path() -> Path:
@@ -92,14 +100,27 @@ def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int,
     return cell
 
 
-def expand(matrix: Matrix, scale: str, extra: list[str] = (), gpus_per_node: int | None = None) -> list[Cell]:
-    """Every cell of the matrix at `scale` (cells with equal recipes, such as megatron-intra and
-    megatron-data at 1 GPU, share one run)."""
+def repeated(cell: Cell, repeats: int) -> list[Cell]:
+    """The cell and its repeats, each with its own master seed."""
+    if not cell.recipe:
+        return [cell]
+    seeds = [cell.recipe.seed + r * REPEAT_SEED_STRIDE for r in range(repeats)]
+    return [cell] + [dataclasses.replace(cell, repeat=r, recipe=dataclasses.replace(cell.recipe, seed=seed),
+                                         overrides=[*cell.overrides, f"seed={seed}"])
+                     for r, seed in enumerate(seeds[1:], 1)]
+
+
+def expand(
+    matrix: Matrix, scale: str, extra: list[str] = (), gpus_per_node: int | None = None, repeats: int = 1,
+) -> list[Cell]:
+    """Every cell of the matrix at `scale`, `repeats` times (cells with equal recipes, such as
+    megatron-intra and megatron-data at 1 GPU, share one run)."""
     plan = matrix.scales[scale]
     per_node = gpus_per_node or plan.gpus_per_node
     return [
-        cell_for(workload, row, gpus, scale, per_node, list(extra))
+        repeat
         for workload in plan.workloads for row in matrix.rows for gpus in plan.gpus
+        for repeat in repeated(cell_for(workload, row, gpus, scale, per_node, list(extra)), repeats)
     ]
 
 
