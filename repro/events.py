@@ -30,6 +30,8 @@ VAL_LOSS = "val/loss"
 EPOCH_TIME = "time/epoch_s"
 ELAPSED = "time/elapsed_s"
 THROUGHPUT = "throughput/samples_per_s"
+STEP_TIME = "time/step_{}_s"  # {} is median, p10, p90 or mean of the epoch's step times (warm-up left out)
+STEP_COUNT = "time/step_count"  # steps the step-time figures summarise
 PEAK_MEMORY = "memory/peak_bytes"
 MODEL_STATE = "memory/model_state_bytes"
 
