@@ -163,7 +163,7 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
 @main.command("list")
 def list_() -> None:
     """Models, frameworks (and whether each can run here) and recipes."""
-    from repro.recipe import configs_dir
+    from repro.recipe import SCALES, recipe_path
 
     click.echo("models:     " + ", ".join(MODELS))
     click.echo("frameworks:")
@@ -173,8 +173,9 @@ def list_() -> None:
         state = "available" if not missing else f"unavailable (missing {', '.join(missing)}: {entry.install_hint})"
         click.echo(f"  {name:<{width}} {entry.parallelism:<32} {state}")
     click.echo("recipes:")
-    for path in sorted(configs_dir().glob("*.yaml")):
-        click.echo(f"  {path}")
+    for path in (recipe_path(model, scale) for model in MODELS for scale in SCALES):
+        if path.is_file():
+            click.echo(f"  {path}")
 
 
 @main.command()

@@ -17,6 +17,7 @@ from typing import Callable
 import yaml
 
 from repro import registry
+from repro.cell import Cell
 from repro.recipe import Recipe, configs_dir, load_file, recipe_path
 from repro.schema import RecipeError, build
 
@@ -39,20 +40,6 @@ class ScalePlan:
 class Matrix:
     rows: list[Row]
     scales: dict[str, ScalePlan]
-
-
-@dataclass
-class Cell:
-    workload: str
-    row: str
-    framework: str
-    gpus: int
-    recipe: Recipe | None = None
-    skip: str | None = None  # why the cell is not run: not applicable, or unavailable here
-
-    @property
-    def label(self) -> str:
-        return f"{self.workload} {self.row} {self.gpus}g"
 
 
 def matrix_path() -> Path:

@@ -10,7 +10,7 @@ import pytest
 from repro import events, tracking
 from repro.recipe import load_file, recipe_path
 from repro.report.build import write_reports
-from repro.table2 import Cell
+from repro.cell import Cell
 
 MIB = 2**20
 # row -> gpus -> (epoch seconds, validation perplexity per epoch, model-state MiB); None: no run recorded

@@ -8,7 +8,7 @@ from pathlib import Path
 from repro.hardware import PAPER_PLATFORMS, this_platform
 from repro.report import figures, findings, tables
 from repro.report.collect import Result, collect
-from repro.table2 import Cell
+from repro.cell import Cell
 
 REPORT_RUN = "table2-report"
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from repro import events
-from repro.table2 import Cell
+from repro.cell import Cell
 
 METRIC = {"gpt2": (events.VAL_PERPLEXITY, False), "vgg16": (events.VAL_ACCURACY, True)}  # (key, higher is better)
 

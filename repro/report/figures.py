@@ -39,7 +39,9 @@ def _per_gpu_plot(results: list[Result], path: Path, value: Callable[[Result], f
                 ax.plot(*zip(*points), marker="o", label=row)
         ax.set(xscale="log", yscale="log", xlabel="GPUs", ylabel=ylabel, title=f"{workload}: {title}")
         ax.set_xticks(sorted({c.cell.gpus for cells in rows.values() for c in cells}))
-        ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+        ticker = plt.matplotlib.ticker
+        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # else log axes label 3 as "3 x 10^0"
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -1,0 +1,23 @@
+"""One cell of the comparison matrix: what the matrix runner (repro.table2) makes and the reports read.
+
+It lives below both, so the reports never import the runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from repro.recipe import Recipe
+
+
+@dataclass
+class Cell:
+    workload: str
+    row: str
+    framework: str
+    gpus: int
+    recipe: Recipe | None = None
+    skip: str | None = None  # why the cell is not run: not applicable, or unavailable here
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload} {self.row} {self.gpus}g"
