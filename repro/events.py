@@ -32,6 +32,8 @@ ELAPSED = "time/elapsed_s"
 THROUGHPUT = "throughput/samples_per_s"
 PEAK_MEMORY = "memory/peak_bytes"
 MODEL_STATE = "memory/model_state_bytes"
+ACTIVATION_PEAK = "memory/activation_peak_bytes"  # tensors saved for backward (repro.activation)
+ESTIMATED_PEAK = "memory/estimated_peak_bytes"  # model state + activation peak: a GPU's peak, estimated on CPU
 
 
 class EventWriter:

@@ -156,7 +156,8 @@ class Trainer:
         """Peak and model-state bytes of every rank, gathered to all ranks."""
         peak, method = peak_memory_bytes(self.device)
         mine = {"rank": self.ctx.rank, "peak_bytes": peak, "method": method,
-                "device_used_bytes": device_used_bytes(self.device), **self.adapter.model_state_bytes()}
+                "device_used_bytes": device_used_bytes(self.device), **self.adapter.model_state_bytes(),
+                "activation_peak_bytes": self.adapter.activations.peak_bytes}
         ranks = [mine]
         if dist.is_initialized() and self.ctx.world > 1:
             ranks = [None] * self.ctx.world
@@ -186,7 +187,7 @@ class Trainer:
         for epoch in range(at.epoch, recipe.train.epochs):
             if self.done(at):
                 break
-            with Timer(self.device) as timer:
+            with Timer(self.device) as timer, self.adapter.activations.hooks():
                 for inputs, targets in self.train_loader(epoch, at.epoch_step):
                     loss = self.adapter.train_step(inputs, targets)
                     at.step, at.epoch_step = at.step + 1, at.epoch_step + 1

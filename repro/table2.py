@@ -18,7 +18,7 @@ import yaml
 
 from repro import registry
 from repro.cell import Cell
-from repro.recipe import Recipe, configs_dir, load_file, recipe_path
+from repro.recipe import configs_dir, load_file, recipe_path
 from repro.schema import RecipeError, build
 
 
