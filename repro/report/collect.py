@@ -7,6 +7,7 @@ from typing import Any
 
 from repro import events
 from repro.cell import Cell
+from repro.report import settings as run_settings
 
 METRIC = {"gpt2": (events.VAL_PERPLEXITY, False), "vgg16": (events.VAL_ACCURACY, True)}  # (key, higher is better)
 
@@ -24,6 +25,9 @@ class Result:
     throughput: list[float] = field(default_factory=list)
     peak_bytes: float | None = None
     model_state_bytes: float | None = None
+    activation_bytes: float | None = None  # tensors saved for backward, peak (repro.activation)
+    estimated_peak_bytes: float | None = None  # model state + activations: a GPU's peak, estimated on CPU
+    settings: dict[str, str] = field(default_factory=dict)  # what the framework trains with (report.settings)
     memory_method: str = ""
     resumed_from_step: str = ""  # set when the run was stopped and continued from a checkpoint
 
@@ -97,6 +101,9 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             throughput=history(mlflow_client, run_id, events.THROUGHPUT),
             peak_bytes=run.data.metrics.get(events.PEAK_MEMORY),
             model_state_bytes=run.data.metrics.get(events.MODEL_STATE),
+            activation_bytes=run.data.metrics.get(events.ACTIVATION_PEAK),
+            estimated_peak_bytes=run.data.metrics.get(events.ESTIMATED_PEAK),
+            settings=run_settings.from_params(run.data.params, cell.recipe),
             memory_method=run.data.tags.get("repro.memory_method", ""),
             resumed_from_step=run.data.tags.get("repro.resumed_from_step", ""),
         ))
