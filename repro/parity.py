@@ -28,7 +28,7 @@ from repro.schema import RecipeError
 GLOBAL_BATCH = 8  # every configuration below can split it (torchgpipe: 8 micro-batches of 1 on 2 GPUs)
 STEPS = 4
 SMALL = ("model.n_layer=2",)  # embedding, 2 blocks, head: enough layers for 2 pipeline stages x 2 per rank
-ADAM = {"name": "adam", "lr": 0.001, "weight_decay": 0.0}  # every framework here offers Adam, LBANN aside
+ADAM = {"name": "adam", "lr": 0.001, "weight_decay": 0.0}  # PyTorch's Adam for all; LBANN's own differs (docs/lbann.md)
 SGD = {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "momentum": 0.9}
 # largest per-step training-loss difference accepted, by (device type, precision). The GPU bands
 # allow for non-deterministic reductions (fp32) and bf16's 8-bit mantissa over a loss of about 5.
