@@ -8,8 +8,6 @@ from typing import Callable
 from repro.report import settings
 from repro.report.collect import METRIC, Result
 
-TRAINING = ("optimizer", "lr", "weight_decay", "precision")  # settings a row keeps at every GPU count
-
 
 def _pyplot():
     import matplotlib
@@ -47,7 +45,7 @@ def _per_gpu_plot(results: list[Result], path: Path, value: Callable[[Result], f
         for row, cells in sorted(rows.items()):
             points = sorted((c.cell.gpus, value(c)) for c in cells if value(c))
             if points:
-                ax.plot(*zip(*points), marker="o", label=label(cells[0], everyone, TRAINING))
+                ax.plot(*zip(*points), marker="o", label=label(cells[0], everyone, settings.TRAINING))
         ax.set(xscale="log", yscale="log", xlabel="GPUs", ylabel=ylabel, title=f"{workload}: {title}")
         ax.set_xticks(sorted({c.cell.gpus for cells in rows.values() for c in cells}))
         ticker = plt.matplotlib.ticker

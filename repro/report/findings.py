@@ -20,7 +20,6 @@ from repro.report import settings as run_settings
 from repro.report.collect import METRIC, Result
 
 HOLDS, FAILS, NOT_TESTABLE, UNKNOWN = "holds", "does not hold", "not testable here", "not enough data"
-TRAINING_KEYS = ("optimizer", "lr", "weight_decay", "precision")  # what makes two curves comparable
 
 
 @dataclass
@@ -123,7 +122,7 @@ def data_parallel_curves(res: Results, t: dict[str, Any]) -> tuple[str, list[str
         for i, a in enumerate(names):
             for b in names[i + 1:]:
                 gap = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(cells[a].val, cells[b].val))
-                differ = run_settings.differences(cells[a].settings, cells[b].settings, TRAINING_KEYS)
+                differ = run_settings.differences(cells[a].settings, cells[b].settings, run_settings.TRAINING)
                 if differ:
                     curves.append(NOT_TESTABLE)
                     notes.append(f"{w} at {gpus} GPUs: {a} and {b} train differently ({', '.join(differ)}): their "
@@ -189,7 +188,7 @@ def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
                 ratio = zero.epoch_time / ddp.epoch_time
                 ok = ok and ratio <= t["max_time_ratio"]
                 note += f"; epoch time x{ratio:.2f} of DDP"
-            differ = run_settings.differences(zero.settings, ddp.settings, TRAINING_KEYS)
+            differ = run_settings.differences(zero.settings, ddp.settings, run_settings.TRAINING)
             notes.append(note + (f"; they train differently ({', '.join(differ)})" if differ else ""))
             verdicts.append(HOLDS if ok else FAILS)
         if len(savings) >= 2:

@@ -14,6 +14,7 @@ from typing import Any
 from repro.recipe import Recipe
 
 KEYS = ("optimizer", "lr", "weight_decay", "global_batch", "micro_batches", "precision")
+TRAINING = ("optimizer", "lr", "weight_decay", "precision")  # a row keeps them at every GPU count; curves compare on them
 EFFECTIVE_PREFIX = "effective."
 
 
