@@ -86,8 +86,8 @@ def recipe_for(config: Config, workload: str, scale: str, steps: int, extra: lis
         fields += [f"{section}.optimizer.{key}={value}" for key, value in optimizer.items()]
     fields += list(extra)
     path = recipe_path(workload, scale)
-    one = load_file(path, [*fields, "train.batch_per_gpu=1"])
-    per_sample = registry.adapter_class(config.framework).global_batch(one)
+    probe = load_file(path, [*fields, f"train.batch_per_gpu={GLOBAL_BATCH}"])  # splits wherever GLOBAL_BATCH does
+    per_sample = registry.adapter_class(config.framework).global_batch(probe) // GLOBAL_BATCH
     if GLOBAL_BATCH % per_sample:
         raise RecipeError(str(path), "train.batch_per_gpu",
                           f"{config.name}'s global batch is a multiple of {per_sample}; {GLOBAL_BATCH} is not")

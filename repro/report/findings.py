@@ -151,8 +151,9 @@ def parity_curves(res: Results, t: dict[str, Any]) -> tuple[str, str]:
     """The parity report's data-parallel runs: the same global batch, seed, data order and optimizer
     as one plain process, step by step; near-identical curves there are the frameworks' own."""
     rows = [p for p in res.parity if p["framework"] in t["rows"] and p["max_abs_diff"] is not None]
-    if not rows:
-        return NOT_TESTABLE, "no data-parallel runs at equal settings (the matrix's differ; no parity report)"
+    if len({p["framework"] for p in rows}) < 2:
+        return NOT_TESTABLE, ("no two data-parallel frameworks at equal settings (the matrix's differ or are missing; "
+                              f"the parity report has {', '.join(p['name'] for p in rows) or 'none'})")
     worst = max(rows, key=lambda p: p["max_abs_diff"])
     holds = worst["max_abs_diff"] <= t["parity_tolerance"]
     listing = ", ".join(f"{p['name']} {p['max_abs_diff']:.1e}" for p in rows)
