@@ -74,13 +74,16 @@ def history(mlflow_client: Any, run_id: str, key: str) -> list[float]:
 
 
 def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
-    """The newest run of each cell (by recipe fingerprint), or why there is none."""
+    """The newest finished run of each cell (by recipe fingerprint), else its newest run, or why there is
+    none: a later duplicate that failed or was stopped does not hide a finished result."""
     from repro.tracking import client
 
     mlflow_client = client(uri)
     newest: dict[str, Any] = {}
     for run in search_runs(uri, experiment):  # newest first
-        newest.setdefault(run.data.tags.get("repro.recipe_sha256"), run)
+        key = run.data.tags.get("repro.recipe_sha256")
+        if key not in newest or (run.info.status == "FINISHED" and newest[key].info.status != "FINISHED"):
+            newest[key] = run
     results = []
     for cell in cells:
         if not cell.recipe:
