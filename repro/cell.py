@@ -4,7 +4,7 @@ It lives below both, so the reports never import the runner.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from repro.recipe import Recipe
 
@@ -16,7 +16,8 @@ class Cell:
     framework: str
     gpus: int
     recipe: Recipe | None = None
-    skip: str | None = None  # why the cell is not run: not applicable, or unavailable here
+    skip: str | None = None  # why the cell is not run: not applicable, unavailable or unable to run here
+    overrides: list[str] = field(default_factory=list)  # what the row and the command line set in its recipe
 
     @property
     def label(self) -> str:
