@@ -86,7 +86,8 @@ def recipe_for(config: Config, workload: str, scale: str, steps: int, extra: lis
         fields += [f"{section}.optimizer.{key}={value}" for key, value in optimizer.items()]
     fields += list(extra)
     path = recipe_path(workload, scale)
-    probe = load_file(path, [*fields, f"train.batch_per_gpu={GLOBAL_BATCH}"])  # splits wherever GLOBAL_BATCH does
+    # probed at GLOBAL_BATCH per GPU, which splits wherever GLOBAL_BATCH does, on enough samples for it
+    probe = load_file(path, [*fields, f"train.batch_per_gpu={GLOBAL_BATCH}", f"data.max_train_samples={16 * GLOBAL_BATCH**2}"])
     per_sample = registry.adapter_class(config.framework).global_batch(probe) // GLOBAL_BATCH
     if GLOBAL_BATCH % per_sample:
         raise RecipeError(str(path), "train.batch_per_gpu",
