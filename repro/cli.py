@@ -154,8 +154,12 @@ def attach(run_dir: Path, command: tuple[str, ...]) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field in every cell's recipe.")
 @click.option("--dry-run", is_flag=True,
               help="Check every cell and print the plan (held, to run, cannot run here and why); run and write nothing.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs per cell, each with its own seed (the recipe's, then +1000, +2000, ...); the reports "
+                   "give each cell's median and 95% interval and compare times only where intervals separate.")
 def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports: Path, gpus_per_node: int | None,
-           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...], dry_run: bool) -> None:
+           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...], dry_run: bool,
+           repeats: int) -> None:
     """Re-run the paper's comparison matrix and write Table 2, figures and findings.
 
     \b
@@ -176,7 +180,7 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         matrix = matrix_module.load_matrix(rows=rows.split(",") if rows else None)
     except KeyError as error:
         fail(error.args[0])
-    cells = matrix_module.expand(matrix, scale, list(overrides), gpus_per_node)
+    cells = matrix_module.expand(matrix, scale, list(overrides), gpus_per_node, repeats)
     if dry_run:
         todo, _ = matrix_module.plan(cells, uri, experiment, retry_failed)
         for cell in todo:

@@ -4,9 +4,14 @@ A cell is one recipe run (workload x framework row x GPU count). Cells are ident
 recipe fingerprint, so an interrupted matrix resumes where it stopped and a second call only
 rebuilds the reports. Cells that do not apply (Megatron on VGG-16) or cannot run here (LBANN
 without its binary) are kept with the reason, so the report can show them.
+
+With `repeats` N, each cell runs N times: repeat 0 with the recipe's seed (so a store made without
+repeats is reused), repeat r with seed + r x REPEAT_SEED_STRIDE. The seed is part of the recipe, so
+each repeat has its own fingerprint (resumable as any cell) and its seed is recorded with its run.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -20,6 +25,8 @@ from repro import registry
 from repro.cell import Cell
 from repro.recipe import configs_dir, load_file, recipe_path
 from repro.schema import RecipeError, build
+
+REPEAT_SEED_STRIDE = 1000  # repeats' master seeds lie this far apart (per-rank seeds derive from them)
 
 
 @dataclass
@@ -78,14 +85,27 @@ def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int,
     return cell
 
 
-def expand(matrix: Matrix, scale: str, extra: list[str] = (), gpus_per_node: int | None = None) -> list[Cell]:
-    """Every cell of the matrix at `scale` (cells with equal recipes, such as megatron-intra and
-    megatron-data at 1 GPU, share one run)."""
+def repeated(cell: Cell, repeats: int) -> list[Cell]:
+    """The cell and its repeats, each with its own master seed."""
+    if not cell.recipe:
+        return [cell]
+    seeds = [cell.recipe.seed + r * REPEAT_SEED_STRIDE for r in range(repeats)]
+    return [cell] + [dataclasses.replace(cell, repeat=r, recipe=dataclasses.replace(cell.recipe, seed=seed),
+                                         overrides=[*cell.overrides, f"seed={seed}"])
+                     for r, seed in enumerate(seeds[1:], 1)]
+
+
+def expand(
+    matrix: Matrix, scale: str, extra: list[str] = (), gpus_per_node: int | None = None, repeats: int = 1,
+) -> list[Cell]:
+    """Every cell of the matrix at `scale`, `repeats` times (cells with equal recipes, such as
+    megatron-intra and megatron-data at 1 GPU, share one run)."""
     plan = matrix.scales[scale]
     per_node = gpus_per_node or plan.gpus_per_node
     return [
-        cell_for(workload, row, gpus, scale, per_node, list(extra))
+        repeat
         for workload in plan.workloads for row in matrix.rows for gpus in plan.gpus
+        for repeat in repeated(cell_for(workload, row, gpus, scale, per_node, list(extra)), repeats)
     ]
 
 

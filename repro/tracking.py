@@ -98,6 +98,9 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
         (events.ELAPSED, event["elapsed_s"], step),
         (events.THROUGHPUT, event["samples_per_s"], step),
     ]
+    step_s = event.get("step_s") or {}  # the loop's step-time distribution (absent from LBANN's driver)
+    out += [(events.STEP_TIME.format(k), step_s[k], step) for k in ("median", "p10", "p90", "mean") if step_s.get(k) is not None]
+    out += [(events.STEP_COUNT, step_s["count"], step)] if "count" in step_s else []
     ranks = event["ranks"]
     state = {r["rank"]: r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks}
     out += [(events.PEAK_MEMORY, max(r["peak_bytes"] for r in ranks), step)]

@@ -105,9 +105,15 @@ class Adapter:
     def setup(self, model: nn.Sequential) -> None:
         raise NotImplementedError
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """One optimizer step on this rank's shard; returns the global mean loss on the reporting rank."""
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step on this rank's shard; returns its loss as a detached tensor on the device
+        (None on ranks without one). The loop reduces a window of them at once (reduce_losses)."""
         raise NotImplementedError
+
+    def reduce_losses(self, losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """Each step's global mean loss from the per-shard losses of several steps, in one collective
+        (called on every rank at once); valid on the reporting rank, None where it has none."""
+        return self.all_reduce(torch.stack(losses).float(), self.data_group, average=True)
 
     def end_epoch(self) -> None:
         """Finish the epoch's outstanding training work (an asynchronous pipeline drains here)."""
@@ -200,6 +206,7 @@ class Adapter:
                 tensor /= dist.get_world_size(group)
         return tensor
 
-    def mean_loss(self, loss: torch.Tensor) -> float:
-        """The global mean of per-shard mean losses (equal shards), as a float."""
-        return float(self.all_reduce(loss.detach().float().clone(), self.data_group, average=True))
+    @staticmethod
+    def shard_loss(loss: torch.Tensor) -> torch.Tensor:
+        """This shard's mean loss, kept on the device (no host synchronisation)."""
+        return loss.detach().float()

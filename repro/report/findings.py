@@ -17,7 +17,7 @@ import yaml
 
 from repro.recipe import configs_dir
 from repro.report import settings as run_settings
-from repro.report.collect import METRIC, Result
+from repro.report.collect import METRIC, Result, not_separable
 
 HOLDS, FAILS, NOT_TESTABLE, UNKNOWN = "holds", "does not hold", "not testable here", "not enough data"
 
@@ -243,6 +243,10 @@ def pipelines_slowest(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
                 notes.append(f"{w} {g} GPUs: not testable here: {why_not}")
                 continue
             ranking = sorted(cells, key=lambda row: cells[row].epoch_time, reverse=True)
+            blurred = {not_separable(cells[p], cells[q]) for p in ranking[: len(present)] for q in ranking[len(present):]} - {None}
+            if blurred:  # repeated cells whose epoch-time intervals overlap: no ranking to judge
+                notes.append(f"{w} {g} GPUs: {min(blurred)} between the slowest rows and the others")
+                continue
             slowest = set(ranking[: len(present)]) == set(present)
             verdicts.append(HOLDS if slowest else FAILS)
             notes.append(f"{w} {g} GPUs, slowest first: " + ", ".join(f"{row} {cells[row].epoch_time:.2f}s" for row in ranking))
