@@ -240,14 +240,62 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed)
         click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
                    f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
+    if scale == "smoke" and not rows:  # the parity section: its report also feeds the findings
+        from repro import parity as parity_module
+
+        found = parity_module.run_parity("gpt2", scale, uri, f"parity-{scale}", execute=not reports_only)
+        for path in parity_module.write(found, reports, "gpt2", parity_module.STEPS):
+            click.echo(str(path))
     for path in write_reports(cells, uri, experiment, reports, scale):
         click.echo(str(path))
+
+
+@main.command()
+@click.option("--model", type=click.Choice(MODELS), default="gpt2", show_default=True)
+@click.option("--scale", type=click.Choice(SCALES), default="smoke", show_default=True)
+@click.option("--steps", type=int, default=4, show_default=True, help="Training steps compared per configuration.")
+@click.option("--configs", help="Comma-separated configurations to keep (default: all; see the report's first column).")
+@click.option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+@click.option("--experiment", help="MLflow experiment (default: parity-SCALE).")
+@click.option("--reports", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"), show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field in every recipe.")
+def parity(model: str, scale: str, steps: int, configs: str | None, tracking_uri: str | None, experiment: str | None,
+           reports: Path, overrides: tuple[str, ...]) -> None:
+    """Train every framework that runs here for a few steps against one plain PyTorch process.
+
+    \b
+    Same global batch, seed, data order and optimizer (Adam; SGD for LBANN) for all: DDP on 2 and
+    4 GPUs, ZeRO 1/2/3, FSDP, Megatron tp=2 and tp=2 x dp=2, torchgpipe, PyTorch's pipeline
+    schedules, PipeDream with 1 stage (exact) and 2 (staleness, measured). Writes
+    reports/parity.{md,json}: the largest per-step loss difference of each, the tolerance
+    (fp32 on CPU: 1e-5) and pass or FAIL. Exit code 1 when any configuration fails.
+
+    \b
+    Examples:
+      repro parity
+      repro parity --configs ddp-2,zero-3 --steps 8
+    """
+    from repro import parity as parity_module
+    from repro import tracking
+
+    names = configs.split(",") if configs else None
+    valid = [c.name for c in parity_module.CONFIGS]
+    unknown = [name for name in names or [] if name not in valid]
+    if unknown:
+        fail(f"unknown configuration {unknown[0]!r}; valid: {', '.join(valid)}")
+    found = parity_module.run_parity(model, scale, tracking.tracking_uri(tracking_uri), experiment or f"parity-{scale}",
+                                     steps, names, list(overrides))
+    for path in parity_module.write(found, reports, model, steps):
+        click.echo(str(path))
+    broken = parity_module.failed(found)
+    if broken:
+        fail(f"parity fails for {', '.join(r.name for r in broken)} (see {reports / 'parity.md'})", 1)
 
 
 @main.command("list")
 def list_() -> None:
     """Models, frameworks (and whether each can run here) and recipes."""
-    from repro.recipe import configs_dir
+    from repro.recipe import SCALES, recipe_path
 
     click.echo("models:     " + ", ".join(MODELS))
     click.echo("frameworks:")
@@ -257,8 +305,9 @@ def list_() -> None:
         state = "available" if not missing else f"unavailable (missing {', '.join(missing)}: {entry.install_hint})"
         click.echo(f"  {name:<{width}} {entry.parallelism:<32} {state}")
     click.echo("recipes:")
-    for path in sorted(configs_dir().glob("*.yaml")):
-        click.echo(f"  {path}")
+    for path in (recipe_path(model, scale) for model in MODELS for scale in SCALES):
+        if path.is_file():
+            click.echo(f"  {path}")
 
 
 @main.command()

@@ -63,6 +63,11 @@ def data_status() -> dict[str, str]:
     return status
 
 
+def availability(entry: registry.FrameworkEntry) -> str:
+    missing = entry.missing()
+    return f"unavailable: missing {', '.join(missing)}" if missing else "available"
+
+
 def report() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
@@ -72,7 +77,7 @@ def report() -> dict[str, Any]:
         "git_sha": git_sha(),
         "image": image(),
         "versions": {d: version(d) for d in DISTRIBUTIONS},
-        "frameworks": {name: entry.missing() or "available" for name, entry in registry.FRAMEWORKS.items()},
+        "frameworks": {name: availability(entry) for name, entry in registry.FRAMEWORKS.items()},
         "devices": devices(),
         "data": data_status(),
     }

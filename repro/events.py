@@ -34,6 +34,8 @@ STEP_TIME = "time/step_{}_s"  # {} is median, p10, p90 or mean of the epoch's st
 STEP_COUNT = "time/step_count"  # steps the step-time figures summarise
 PEAK_MEMORY = "memory/peak_bytes"
 MODEL_STATE = "memory/model_state_bytes"
+ACTIVATION_PEAK = "memory/activation_peak_bytes"  # tensors saved for backward (repro.activation)
+ESTIMATED_PEAK = "memory/estimated_peak_bytes"  # model state + activation peak: a GPU's peak, estimated on CPU
 
 
 class EventWriter:

@@ -194,7 +194,8 @@ class Trainer:
         """Peak and model-state bytes of every rank, gathered to all ranks."""
         peak, method = peak_memory_bytes(self.device)
         mine = {"rank": self.ctx.rank, "peak_bytes": peak, "method": method,
-                "device_used_bytes": device_used_bytes(self.device), **self.adapter.model_state_bytes()}
+                "device_used_bytes": device_used_bytes(self.device), **self.adapter.model_state_bytes(),
+                "activation_peak_bytes": self.adapter.activations.peak_bytes}
         ranks = [mine]
         if dist.is_initialized() and self.ctx.world > 1:
             ranks = [None] * self.ctx.world
@@ -226,7 +227,7 @@ class Trainer:
                 break
             warm = max(WARMUP_STEPS - self.steps_here, 0)  # warm-up steps of this process still in this epoch
             self.phase = "steps"
-            with Timer(self.device) as timer:
+            with Timer(self.device) as timer, self.adapter.activations.hooks():
                 clock = StepClock(self.device)
                 for inputs, targets in self.train_loader(epoch, at.epoch_step):
                     loss = self.adapter.train_step(inputs, targets)

@@ -26,7 +26,7 @@ class FrameworkEntry:
         """What this framework needs that is not installed here (empty when available)."""
         gone = [m for m in self.needs_modules if importlib.util.find_spec(m) is None]
         gone += [p for p in self.needs_programs if shutil.which(p) is None]
-        return gone
+        return list(dict.fromkeys(gone))  # LBANN's module and program share one name: say it once
 
 
 FRAMEWORKS: dict[str, FrameworkEntry] = {

@@ -22,7 +22,8 @@ from typing import Callable
 import yaml
 
 from repro import registry
-from repro.recipe import Recipe, configs_dir, load_file, recipe_path
+from repro.cell import Cell
+from repro.recipe import configs_dir, load_file, recipe_path
 from repro.schema import RecipeError, build
 
 REPEAT_SEED_STRIDE = 1000  # repeats' master seeds lie this far apart (per-rank seeds derive from them)
@@ -46,22 +47,6 @@ class ScalePlan:
 class Matrix:
     rows: list[Row]
     scales: dict[str, ScalePlan]
-
-
-@dataclass
-class Cell:
-    workload: str
-    row: str
-    framework: str
-    gpus: int
-    recipe: Recipe | None = None
-    skip: str | None = None  # why the cell is not run: not applicable, unavailable or unable to run here
-    overrides: list[str] = field(default_factory=list)  # what the row and the command line set in its recipe
-    repeat: int = 0  # which of the matrix's repeats (0: the recipe's own seed)
-
-    @property
-    def label(self) -> str:
-        return f"{self.workload} {self.row} {self.gpus}g" + (f" #{self.repeat + 1}" if self.repeat else "")
 
 
 def matrix_path() -> Path:

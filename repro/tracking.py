@@ -117,6 +117,10 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
     state = {r["rank"]: r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks}
     out += [(events.PEAK_MEMORY, max(r["peak_bytes"] for r in ranks), step)]
     out += [(events.MODEL_STATE, max(state.values()), step)]
+    activations = {r["rank"]: r["activation_peak_bytes"] for r in ranks if "activation_peak_bytes" in r}
+    if activations:  # not from frameworks with their own runtime (LBANN)
+        out += [(events.ACTIVATION_PEAK, max(activations.values()), step)]
+        out += [(events.ESTIMATED_PEAK, max(state[rank] + activations[rank] for rank in activations), step)]
     for r in ranks:
         out += [(f"memory/rank{r['rank']}/peak_bytes", r["peak_bytes"], step)]
         out += [(f"memory/rank{r['rank']}/model_state_bytes", state[r["rank"]], step)]

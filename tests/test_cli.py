@@ -18,6 +18,16 @@ def test_list_shows_models_frameworks_and_recipes(repro) -> None:
     assert out.returncode == 0
     assert "models:     vgg16, gpt2" in out.stdout
     assert "ddp" in out.stdout and "gpt2-smoke.yaml" in out.stdout
+    assert "findings.yaml" not in out.stdout and "table2.yaml" not in out.stdout  # not recipes
+
+
+def test_a_missing_name_is_said_once() -> None:
+    from repro.doctor import availability
+    from repro.registry import FrameworkEntry
+
+    entry = FrameworkEntry("x", "x:X", "data", ("no_such_module_x",), ("no_such_module_x",))
+    assert entry.missing() == ["no_such_module_x"]
+    assert availability(entry) == "unavailable: missing no_such_module_x"
 
 
 def test_unknown_framework_lists_valid_ones(repro) -> None:

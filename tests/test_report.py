@@ -10,24 +10,32 @@ import pytest
 from repro import events, tracking
 from repro.recipe import load_file, recipe_path
 from repro.report.build import write_reports
-from repro.table2 import Cell
+from repro.cell import Cell
 
 MIB = 2**20
-# row -> gpus -> (epoch seconds, validation perplexity per epoch, model-state MiB); None: no run recorded
+# row -> gpus -> (epoch seconds, validation perplexity per epoch, model-state MiB, activation MiB);
+# None: no run recorded
 RECORDED = {
-    "ddp": {1: (10.0, [60, 30, 20], 8.0), 2: (5.5, [61, 31, 21], 8.0), 4: (3.0, [62, 32, 22], 8.0)},
-    "zero": {1: (10.5, [60, 30, 20], 8.0), 2: (5.8, [61, 31, 21], 4.4), 4: "FAILED"},
-    "torchgpipe": {1: (18.0, [60, 30, 20], 8.0), 2: (12.0, [60, 30, 20], 4.0), 4: (9.0, [60, 30, 20], 3.6)},
-    "pipedream": {1: (19.0, [60, 30, 20], 8.0), 2: (13.0, [70, 45, 35], 4.0), 4: None},
+    "ddp": {1: (10.0, [60, 30, 20], 8.0, 2.0), 2: (5.5, [61, 31, 21], 8.0, 2.0), 4: (3.0, [62, 32, 22], 8.0, 2.0)},
+    "zero": {1: (10.5, [60, 30, 20], 8.0, 2.0), 2: (5.8, [61, 31, 21], 4.4, 2.0), 4: "FAILED"},
+    "torchgpipe": {1: (18.0, [60, 30, 20], 8.0, 0.5), 2: (12.0, [60, 30, 20], 4.0, 0.5), 4: (9.0, [60, 30, 20], 3.6, 0.5)},
+    "pipedream": {1: (19.0, [60, 30, 20], 8.0, 1.0), 2: (13.0, [70, 45, 35], 4.0, 1.0), 4: None},
 }
 TARGET = 30.0
+CORES = 4  # as if the machine had 4 cores: every cell's epoch times can be compared
+PARITY = [  # a parity report already in the reports folder (repro parity writes it before the findings)
+    {"name": "ddp-2", "framework": "ddp", "gpus": 2, "status": "pass", "settings": "adam lr 0.001 wd 0, global batch 8",
+     "steps": 4, "max_abs_diff": 4.8e-7},
+    {"name": "zero-3", "framework": "zero", "gpus": 2, "status": "pass", "settings": "adam lr 0.001 wd 0, global batch 8",
+     "steps": 4, "max_abs_diff": 9.5e-7},
+]
 
 
 def cells() -> list[Cell]:
     made = []
     for number, (row, per_gpus) in enumerate(RECORDED.items()):
         for gpus in per_gpus:
-            recipe = load_file(recipe_path("gpt2", "smoke"), [f"run.gpus={gpus}", f"seed={number}",
+            recipe = load_file(recipe_path("gpt2", "smoke"), [f"run.framework={row}", f"run.gpus={gpus}", f"seed={number}",
                                                                f"train.target_metric={TARGET}"])
             made.append(Cell("gpt2", row, row, gpus, recipe))
     made.append(Cell("vgg16", "megatron-intra", "megatron", 2, None, "not applicable: targets transformers"))
@@ -45,9 +53,9 @@ def record(uri: str, cell: Cell) -> None:
     if spec == "FAILED":
         run.end("FAILED", "exit code 1; last output:\nRuntimeError: rank 1 ran out of memory")
         return
-    epoch_s, curve, state_mib = spec
+    epoch_s, curve, state_mib, activation_mib = spec
     ranks = [{"rank": r, "peak_bytes": 900 * MIB, "method": "cpu_peak_rss", "parameters": state_mib * MIB,
-              "gradients": 0, "optimizer": 0} for r in range(cell.gpus)]
+              "gradients": 0, "optimizer": 0, "activation_peak_bytes": activation_mib * MIB} for r in range(cell.gpus)]
     run.log_events([
         {"event": events.EPOCH, "wall": 1.0e9 + epoch, "epoch": epoch, "epoch_s": epoch_s, "elapsed_s": epoch_s * (epoch + 1),
          "samples_per_s": 1000 / epoch_s, "val": {events.VAL_PERPLEXITY: value}, "ranks": ranks,
@@ -55,6 +63,8 @@ def record(uri: str, cell: Cell) -> None:
         for epoch, value in enumerate(curve)
     ])
     run.end("FINISHED")
+    if (cell.row, cell.gpus) == ("ddp", 1):  # a later duplicate, stopped: the finished run still counts
+        tracking.Run.create(uri, "table2-test", cell.label, tags, {}).end("KILLED")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +75,9 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for cell in matrix:
         if cell.recipe:
             record(uri, cell)
-    write_reports(matrix, uri, "table2-test", folder / "reports", "smoke")
+    (folder / "reports").mkdir()
+    (folder / "reports" / "parity.json").write_text(json.dumps({"rows": PARITY}))
+    write_reports(matrix, uri, "table2-test", folder / "reports", "smoke", cores=CORES)
     return folder / "reports"
 
 
@@ -80,12 +92,13 @@ def test_results_table_carries_the_recorded_numbers(report: Path) -> None:
     assert float(ddp4["epoch_s"]) == 3.0
     assert float(ddp4["speedup"]) == pytest.approx(10.0 / 3.0)
     assert float(ddp4["model_state_mib"]) == 8.0 and float(ddp4["peak_memory_mib"]) == 900.0
+    assert float(ddp4["activation_mib"]) == 2.0 and float(ddp4["estimated_peak_mib"]) == 10.0
     assert float(ddp4["final_metric"]) == 22.0
     steps = [float(ddp4[f"step_{key}_ms"]) for key in ("p10", "median", "p90")]
     assert steps == pytest.approx([24.0, 30.0, 37.5])  # 3 s epochs: step-time spread from the epoch events
     assert ddp4["repeats"] == "1" and ddp4["epoch_s_low"] == ""  # one run: no interval
     assert float(ddp4["time_to_target_s"]) == 9.0  # perplexity <= 30 first at epoch 3 (32 at epoch 2)
-    assert float(table[("ddp", 1)]["time_to_target_s"]) == 20.0
+    assert float(table[("ddp", 1)]["time_to_target_s"]) == 20.0 and table[("ddp", 1)]["status"] == "FINISHED"
     assert table[("pipedream", 2)]["time_to_target_s"] == ""  # never reaches 30
     assert table[("ddp", 2)]["note"] == "resumed from step 64" and table[("ddp", 4)]["note"] == ""
 
@@ -105,18 +118,63 @@ def test_failed_missing_and_skipped_cells_are_shown_not_fatal(report: Path) -> N
 def test_findings_follow_the_recorded_numbers(report: Path) -> None:
     found = {f["key"]: f for f in json.loads((report / "findings.json").read_text())}
     zero = found["zero_memory"]
-    assert "gpt2 2 GPUs: ZeRO model state memory 45% below DDP; epoch time x1.05 of DDP" in zero["evidence"]
+    assert ("gpt2 2 GPUs: ZeRO model state memory 45% below DDP (with activations, estimated peak: 36%); epoch time "
+            "x1.05 of DDP; they train differently (optimizer adam vs lamb, lr 0.001 vs 0.01)") in zero["evidence"]
     assert zero["verdict"] == "holds"  # 45% is inside 42-66%, 5% slower is inside 15%
     pipelines = found["pipelines_slowest"]
     assert pipelines["verdict"] == "holds"
     assert "gpt2 2 GPUs, slowest first: pipedream 13.00s, torchgpipe 12.00s, zero 5.80s, ddp 5.50s" in pipelines["evidence"]
-    assert found["pipedream_slower"]["verdict"] == "holds"  # at 2 GPUs it never reaches the target
+    slower = found["pipedream_slower"]  # per epoch: at 2 GPUs it never reaches the target, torchgpipe after 2
+    assert slower["verdict"] == "holds"
+    assert slower["evidence"][0].startswith("gpt2 at 2 GPUs: PipeDream reaches the target never, best other torchgpipe after 2")
     memory = found["pipeline_memory"]  # judged on torchgpipe alone: pipedream lacks its 4-GPU cell
     assert memory["verdict"] == "holds"
-    assert memory["evidence"].startswith("gpt2 torchgpipe: memory falls x2.22 from 1 to 4 GPUs (needs > x2.0), last step x1.11")
+    assert memory["evidence"][0].startswith(
+        "gpt2 torchgpipe: estimated peak (model state + activations) falls x2.07 from 1 to 4 GPUs (needs > x2.0), "
+        "last step x1.10 (plateau below x1.3); model state 8.00 MiB, 4.00 MiB, 3.60 MiB, activations 0.50 MiB")
     assert found["megatron_u_shape"]["verdict"] == "not enough data"
-    curves = found["data_parallel_curves"]
-    assert curves["verdict"] == "holds" and "largest gap between ddp, zero curves 0.0%" in curves["evidence"]
+    curves = found["data_parallel_curves"]  # the matrix's DDP and ZeRO differ in optimizer: judged on parity
+    assert curves["verdict"] == "holds"
+    assert any("ddp and zero train differently (optimizer lamb vs adam, lr 0.01 vs 0.001)" in e for e in curves["evidence"])
+    assert any(e.startswith("parity report, equal settings") and "ddp-2 4.8e-07, zero-3 9.5e-07" in e
+               for e in curves["evidence"])
+    markdown = (report / "findings.md").read_text()
+    assert "## 6. pipeline_memory: **holds**" in markdown and "Needs: activation_memory." in markdown
+
+
+def test_findings_say_what_this_machine_cannot_show(report: Path) -> None:
+    """One core: 2 processes measure contention; runs without activation counts cannot show activation memory."""
+    from repro.report.collect import collect
+    from repro.report.findings import NOT_TESTABLE, judge
+
+    results = collect(cells(), f"sqlite:///{report.parent}/mlflow.db", "table2-test")
+    for r in results:
+        r.activation_bytes = None if r.cell.row == "torchgpipe" else r.activation_bytes
+    found = {f.key: f for f in judge(results, cores=1)}
+    slowest = found["pipelines_slowest"]
+    assert "gpt2 2 GPUs: not testable here: 2 processes on 1 cores: epoch times measure contention" in slowest.evidence
+    assert slowest.verdict == "holds"  # still judged at 1 GPU
+    assert found["pipeline_memory"].verdict == NOT_TESTABLE
+    assert found["pipeline_memory"].evidence[0].startswith("gpt2 torchgpipe: not testable here: no activation count in")
+    curves = found["data_parallel_curves"]  # no parity report given, and DDP and ZeRO train differently
+    assert curves.verdict == NOT_TESTABLE
+
+
+def test_results_table_and_legends_say_how_runs_differ(report: Path) -> None:
+    table = rows(report)
+    assert table[("zero", 2)]["differs_in"] == "optimizer adam, lr 0.001"
+    assert table[("torchgpipe", 2)]["differs_in"] == "global_batch 64"  # 8 x 4 micro-batches x 2 GPUs
+    assert table[("ddp", 2)]["differs_in"] == ""
+
+
+def test_settings_come_from_mlflow_where_the_run_has_them():
+    from repro.report.settings import differences, from_params
+
+    recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=zero"])
+    assert from_params({}, recipe)["optimizer"] == "adam"
+    recorded = from_params({"effective.optimizer": "adamw", "effective.micro_batches": "4", "train.precision": "bf16"}, recipe)
+    assert (recorded["optimizer"], recorded["micro_batches"], recorded["precision"], recorded["lr"]) == ("adamw", "4", "bf16", "0.001")
+    assert differences(recorded, from_params({}, recipe)) == ["optimizer adamw vs adam", "precision bf16 vs fp32"]
 
 
 def test_platform_table_has_the_papers_rows_and_this_machine(report: Path) -> None:

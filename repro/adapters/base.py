@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from repro import launch
+from repro.activation import Counter
 from repro.checkpoint import atomic_torch_save
 from repro.metrics import model_state
 from repro.schema import RecipeError
@@ -60,6 +61,7 @@ class Adapter:
         self.options = ctx.recipe.options()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.activations = Counter()  # the loop trains inside its hooks(); torchgpipe counts per partition
 
     # -- class-level facts, used before any process starts ------------------------------------
     workloads: tuple[str, ...] = ("vgg16", "gpt2")  # the workloads this framework applies to

@@ -171,7 +171,8 @@ class PipeDreamAdapter(Adapter):
 
     # -- weight versions ----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in self.live.items()}
+        # Parameters, so that activation counting (repro.activation) leaves stashed weights out
+        return {name: nn.Parameter(p.detach().clone(), p.requires_grad) for name, p in self.live.items()}
 
     def weights_for(self, tag: int) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, weights) a new forward runs on; drops versions no later forward can ask for."""

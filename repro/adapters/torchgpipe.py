@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from repro.activation import PartitionCounters
 from repro.adapters import pipeline
 from repro.adapters.base import Adapter
 from repro.metrics import model_state
@@ -106,6 +107,7 @@ class GPipeAdapter(Adapter):
             model, self.balance, devices=devices, chunks=self.chunks(self.ctx.recipe), checkpoint=self.options.checkpoint
         )
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())
+        self.activations = PartitionCounters(self.model.partitions)
 
     def facts(self) -> dict[str, Any]:
         return {

@@ -8,24 +8,33 @@ from pathlib import Path
 from repro.hardware import PAPER_PLATFORMS, this_platform
 from repro.report import figures, findings, tables
 from repro.report.collect import Result, collect
-from repro.table2 import Cell
+from repro.cell import Cell
 
 REPORT_RUN = "table2-report"
 
 
-def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str) -> list[Path]:
+def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str,
+                  cores: int | None = None) -> list[Path]:
+    """Every report file; the findings also read the parity report already in `folder`, if any.
+    `cores`: the machine's (default), which decides whether epoch times can be compared."""
     folder.mkdir(parents=True, exist_ok=True)
     results = collect(cells, uri, experiment)
     nodes = max((r.cell.recipe.run.nodes for r in results if r.ok), default=1)
     paths = tables.write_all(folder, "table2_platforms", [*PAPER_PLATFORMS, this_platform(nodes)], tables.PLATFORM_COLUMNS)
     paths += tables.write_all(folder, "results", tables.result_rows(results), tables.RESULT_COLUMNS)
     paths += figures.all_figures(results, folder)
-    verdicts = findings.judge(results)
+    verdicts = findings.judge(results, parity=read_parity(folder), cores=cores)
     (folder / "findings.md").write_text(findings.markdown(verdicts))
     (folder / "findings.json").write_text(json.dumps([asdict(f) for f in verdicts], indent=2))
     paths += [folder / "findings.md", folder / "findings.json"]
+    paths += [path for path in (folder / "parity.md", folder / "parity.json") if path.is_file()]
     log_report_run(uri, experiment, scale, paths, results)
     return paths
+
+
+def read_parity(folder: Path) -> list[dict]:
+    path = folder / "parity.json"
+    return json.loads(path.read_text())["rows"] if path.is_file() else []
 
 
 def log_report_run(uri: str, experiment: str, scale: str, paths: list[Path], results: list[Result]) -> None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from repro import events
-from repro.table2 import Cell
+from repro.cell import Cell
+from repro.report import settings as run_settings
 
 METRIC = {"gpt2": (events.VAL_PERPLEXITY, False), "vgg16": (events.VAL_ACCURACY, True)}  # (key, higher is better)
 
@@ -26,6 +27,9 @@ class Result:
     throughput: list[float] = field(default_factory=list)
     peak_bytes: float | None = None
     model_state_bytes: float | None = None
+    activation_bytes: float | None = None  # tensors saved for backward, peak (repro.activation)
+    estimated_peak_bytes: float | None = None  # model state + activations: a GPU's peak, estimated on CPU
+    settings: dict[str, str] = field(default_factory=dict)  # what the framework trains with (report.settings)
     memory_method: str = ""
     resumed_from_step: str = ""  # set when the run was stopped and continued from a checkpoint
     step_s: dict[str, list[float]] = field(default_factory=dict)  # median, p10, p90 -> per-epoch values
@@ -122,13 +126,16 @@ def history(mlflow_client: Any, run_id: str, key: str) -> list[float]:
 
 
 def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
-    """The newest run of each cell (by recipe fingerprint), or why there is none."""
+    """The newest finished run of each cell (by recipe fingerprint), else its newest run, or why there is
+    none: a later duplicate that failed or was stopped does not hide a finished result."""
     from repro.tracking import client
 
     mlflow_client = client(uri)
     newest: dict[str, Any] = {}
     for run in search_runs(uri, experiment):  # newest first
-        newest.setdefault(run.data.tags.get("repro.recipe_sha256"), run)
+        key = run.data.tags.get("repro.recipe_sha256")
+        if key not in newest or (run.info.status == "FINISHED" and newest[key].info.status != "FINISHED"):
+            newest[key] = run
     results = []
     for cell in cells:
         if not cell.recipe:
@@ -149,6 +156,9 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             throughput=history(mlflow_client, run_id, events.THROUGHPUT),
             peak_bytes=run.data.metrics.get(events.PEAK_MEMORY),
             model_state_bytes=run.data.metrics.get(events.MODEL_STATE),
+            activation_bytes=run.data.metrics.get(events.ACTIVATION_PEAK),
+            estimated_peak_bytes=run.data.metrics.get(events.ESTIMATED_PEAK),
+            settings=run_settings.from_params(run.data.params, cell.recipe),
             memory_method=run.data.tags.get("repro.memory_method", ""),
             resumed_from_step=run.data.tags.get("repro.resumed_from_step", ""),
             step_s={k: history(mlflow_client, run_id, events.STEP_TIME.format(k)) for k in ("median", "p10", "p90")},

@@ -5,6 +5,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+from repro.report import settings
 from repro.report.collect import METRIC, Result
 
 
@@ -25,6 +26,13 @@ def _by_workload(results: list[Result]) -> dict[str, dict[str, list[Result]]]:
     return grouped
 
 
+def label(result: Result, others: list[Result], keys: tuple[str, ...] = settings.KEYS) -> str:
+    """The row's name, with the settings in which it trains unlike most of `others` (the legend's
+    way of saying that two lines differ in more than their framework)."""
+    differ = settings.departures(result.settings, settings.common([o.settings for o in others]), keys)
+    return f"{result.cell.row} ({differ})" if differ else result.cell.row
+
+
 def _per_gpu_plot(results: list[Result], path: Path, value: Callable[[Result], float | None], ylabel: str,
                   title: str) -> Path | None:
     grouped = _by_workload(results)
@@ -33,13 +41,16 @@ def _per_gpu_plot(results: list[Result], path: Path, value: Callable[[Result], f
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
     for ax, (workload, rows) in zip(axes[0], sorted(grouped.items())):
+        everyone = [c for cells in rows.values() for c in cells]
         for row, cells in sorted(rows.items()):
             points = sorted((c.cell.gpus, value(c)) for c in cells if value(c))
             if points:
-                ax.plot(*zip(*points), marker="o", label=row)
+                ax.plot(*zip(*points), marker="o", label=label(cells[0], everyone, settings.TRAINING))
         ax.set(xscale="log", yscale="log", xlabel="GPUs", ylabel=ylabel, title=f"{workload}: {title}")
         ax.set_xticks(sorted({c.cell.gpus for cells in rows.values() for c in cells}))
-        ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+        ticker = plt.matplotlib.ticker
+        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # else log axes label 3 as "3 x 10^0"
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -80,8 +91,9 @@ def statistical_efficiency(results: list[Result], folder: Path) -> list[Path]:
             for c in cells:
                 counts[c.cell.gpus] += 1
             gpus = max((g for g, n in counts.items() if n >= 2), default=max(counts))
-            for c in sorted((c for c in cells if c.cell.gpus == gpus), key=lambda c: c.cell.row):
-                ax.plot(x_of(c), c.val, marker="o", label=c.cell.row)
+            shown = sorted((c for c in cells if c.cell.gpus == gpus), key=lambda c: c.cell.row)
+            for c in shown:
+                ax.plot(x_of(c), c.val, marker="o", label=label(c, shown))
             key, higher = METRIC[workload]
             ax.set(xlabel=xlabel, ylabel=key, title=f"{workload} at {gpus} GPUs ({'higher' if higher else 'lower'} is better)")
             ax.legend(fontsize=8)

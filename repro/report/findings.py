@@ -1,21 +1,25 @@
 """A verdict on each of the paper's findings, with the measured numbers behind it.
 
-Thresholds and the paper's wording live in configs/findings.yaml; each check here turns the
-collected results into `holds`, `does not hold` or `not enough data`.
+The paper's wording, what each finding needs the runs to show, and the thresholds live in
+configs/findings.yaml. A check judges a finding only where the runs can show what it needs:
+`holds` or `does not hold` with the numbers, else `not testable here` with the reason (four
+processes on two cores measure contention, not frameworks; runs that train with different
+optimizers measure the optimizers), or `not enough data` when cells are missing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
 from repro.recipe import configs_dir
+from repro.report import settings as run_settings
 from repro.report.collect import METRIC, Result, not_separable
 
-HOLDS, FAILS, UNKNOWN = "holds", "does not hold", "not enough data"
-DATA_PARALLEL = ("ddp", "zero", "lbann")
+HOLDS, FAILS, NOT_TESTABLE, UNKNOWN = "holds", "does not hold", "not testable here", "not enough data"
 
 
 @dataclass
@@ -23,19 +27,26 @@ class Finding:
     key: str
     paper: str
     verdict: str
-    evidence: str
+    evidence: list[str]  # one line per comparison, with its numbers
+    needs: list[str] = field(default_factory=list)
 
 
 def thresholds_path() -> Path:
     return configs_dir() / "findings.yaml"
 
 
-class Results:
-    """Index of the successful results: (workload, row, gpus) -> Result."""
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    def __init__(self, results: list[Result]):
+
+class Results:
+    """Index of the successful results, (workload, row, gpus) -> Result, and what they can show."""
+
+    def __init__(self, results: list[Result], cores: int, parity: list[dict[str, Any]] | None = None):
         self.ok = {(r.cell.workload, r.cell.row, r.cell.gpus): r for r in results if r.ok}
         self.workloads = sorted({w for w, _, _ in self.ok})
+        self.cores = cores
+        self.parity = parity or []
 
     def get(self, workload: str, row: str, gpus: int) -> Result | None:
         return self.ok.get((workload, row, gpus))
@@ -46,51 +57,109 @@ class Results:
     def at(self, workload: str, gpus: int) -> dict[str, Result]:
         return {r: res for (w, r, g), res in self.ok.items() if w == workload and g == gpus}
 
+    @staticmethod
+    def on_gpu(result: Result) -> bool:
+        return result.memory_method.startswith("cuda")
+
+    def timed(self, results: list[Result]) -> str:
+        """Why the epoch times of `results` cannot be compared here ('' when they can)."""
+        crowded = max((r.cell.gpus for r in results if not self.on_gpu(r)), default=0)
+        if crowded > self.cores:
+            return f"{crowded} processes on {self.cores} cores: epoch times measure contention"
+        return ""
+
     def memory(self, result: Result) -> tuple[float | None, str]:
-        """Memory per GPU to compare: allocator peak on GPU, model state on CPU stand-ins."""
-        if result.memory_method == "cpu_peak_rss":
-            return result.model_state_bytes, "model state"
-        return result.peak_bytes, "peak"
+        """Memory per GPU: the allocator's peak on GPU; on CPU stand-ins model state + activations."""
+        if self.on_gpu(result):
+            return result.peak_bytes, "peak"
+        if result.activation_bytes is None or result.model_state_bytes is None:
+            return None, "estimated peak"
+        return result.model_state_bytes + result.activation_bytes, "estimated peak (model state + activations)"
+
+    def activation_reason(self, results: list[Result]) -> str:
+        lacking = [r.cell.label for r in results if not self.on_gpu(r) and r.activation_bytes is None]
+        return f"no activation count in {', '.join(lacking)} (runs recorded before the counter)" if lacking else ""
 
 
 def combine(verdicts: list[str]) -> str:
-    if not verdicts or all(v == UNKNOWN for v in verdicts):
-        return UNKNOWN
-    return FAILS if FAILS in verdicts else HOLDS
+    for verdict in (FAILS, HOLDS, NOT_TESTABLE):
+        if verdict in verdicts:
+            return verdict
+    return UNKNOWN
 
 
 def better(workload: str, a: float, b: float) -> bool:
     return a > b if METRIC[workload][1] else a < b
 
 
+def epochs_to_target(result: Result) -> int | None:
+    """Epochs (samples seen, in epochs) until the validation metric first reaches the target."""
+    if result.target is None:
+        return None
+    higher = METRIC[result.cell.workload][1]
+    for epoch, value in enumerate(result.val, 1):
+        if (value >= result.target) if higher else (value <= result.target):
+            return epoch
+    return None
+
+
+def mib(value: float) -> str:
+    return f"{value / 2**20:.2f} MiB"
+
+
 def data_parallel_curves(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
-    verdicts, notes = [], []
+    """Two clauses: near-identical per-epoch curves (judged on runs with equal settings, else on the
+    parity report's), and the best statistical efficiency against wall-clock (judged where timed)."""
+    curves, timing, notes = [], [], []
     for w in res.workloads:
-        counts = [g for g in sorted({g for (wl, _, g) in res.ok if wl == w}) if sum(
-            1 for row in t["rows"] if res.get(w, row, g)) >= 2]
+        counts = [g for g in sorted({g for (wl, _, g) in res.ok if wl == w})
+                  if sum(1 for row in t["rows"] if res.get(w, row, g)) >= 2]
         if not counts:
             continue
         gpus = counts[-1]
         cells = res.at(w, gpus)
-        dp = {row: cells[row] for row in t["rows"] if row in cells}
-        names = sorted(dp)
-        gap = max(
-            abs(x - y) / max(abs(y), 1e-12)
-            for i, a in enumerate(names) for b in names[i + 1:] for x, y in zip(dp[a].val, dp[b].val)
-        )
-        timed = {row: r.time_to_target() for row, r in cells.items() if r.time_to_target() is not None}
-        if timed:
-            best = min(timed, key=timed.get)
-            converge = best in t["rows"]
-            how = f"first to the target: {best} ({timed[best]:.1f}s)"
+        names = sorted(row for row in t["rows"] if row in cells)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                gap = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(cells[a].val, cells[b].val))
+                differ = run_settings.differences(cells[a].settings, cells[b].settings, run_settings.TRAINING)
+                if differ:
+                    curves.append(NOT_TESTABLE)
+                    notes.append(f"{w} at {gpus} GPUs: {a} and {b} train differently ({', '.join(differ)}): their "
+                                 f"per-epoch curves are {gap:.1%} apart, a gap of the settings, not the frameworks")
+                    continue
+                curves.append(HOLDS if gap <= t["max_relative_gap"] else FAILS)
+                notes.append(f"{w} at {gpus} GPUs: per-epoch curves of {a} and {b} (equal settings) at most "
+                             f"{gap:.1%} apart (limit {t['max_relative_gap']:.0%})")
+        why_not = res.timed(list(cells.values()))
+        if why_not:
+            notes.append(f"{w} at {gpus} GPUs: the wall-clock clause is not testable here: {why_not}")
         else:
-            best = max(cells, key=lambda row: cells[row].final_metric * (1 if METRIC[w][1] else -1))
-            converge = best in t["rows"]
-            how = f"no run reached the target; best final metric: {best} ({cells[best].final_metric:.4g})"
-        verdicts.append(HOLDS if gap <= t["max_relative_gap"] and converge else FAILS)
-        notes.append(f"{w} at {gpus} GPUs: largest gap between {', '.join(names)} curves {gap:.1%} "
-                     f"(limit {t['max_relative_gap']:.0%}); {how}")
-    return combine(verdicts), notes
+            timed = {row: r.time_to_target() for row, r in cells.items() if r.time_to_target() is not None}
+            if timed:
+                best = min(timed, key=timed.get)
+                timing.append(HOLDS if best in t["rows"] else FAILS)
+                notes.append(f"{w} at {gpus} GPUs: first to the target: {best} ({timed[best]:.1f}s)")
+    if HOLDS not in curves and FAILS not in curves:
+        verdict, note = parity_curves(res, t)
+        curves.append(verdict)
+        notes.append(note)
+    return combine(curves + timing), notes
+
+
+def parity_curves(res: Results, t: dict[str, Any]) -> tuple[str, str]:
+    """The parity report's data-parallel runs: the same global batch, seed, data order and optimizer
+    as one plain process, step by step; near-identical curves there are the frameworks' own."""
+    rows = [p for p in res.parity if p["framework"] in t["rows"] and p["max_abs_diff"] is not None]
+    if len({p["framework"] for p in rows}) < 2:
+        return NOT_TESTABLE, ("no two data-parallel frameworks at equal settings (the matrix's differ or are missing; "
+                              f"the parity report has {', '.join(p['name'] for p in rows) or 'none'})")
+    worst = max(rows, key=lambda p: p["max_abs_diff"])
+    holds = worst["max_abs_diff"] <= t["parity_tolerance"]
+    listing = ", ".join(f"{p['name']} {p['max_abs_diff']:.1e}" for p in rows)
+    return (HOLDS if holds else FAILS), (
+        f"parity report, equal settings ({rows[0]['settings']}): largest per-step loss difference against one "
+        f"process over {rows[0]['steps']} steps: {listing} (limit {t['parity_tolerance']:.0e})")
 
 
 def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
@@ -100,15 +169,29 @@ def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
         counts = [g for g in res.gpus(w, "zero") if g >= t["from_gpus"] and res.get(w, "ddp", g)]
         savings = []
         for g in counts:
-            (zm, kind), (dm, _) = res.memory(res.get(w, "zero", g)), res.memory(res.get(w, "ddp", g))
+            zero, ddp = res.get(w, "zero", g), res.get(w, "ddp", g)
+            if res.on_gpu(zero):
+                (zm, kind), (dm, _) = res.memory(zero), res.memory(ddp)
+            else:  # ZeRO partitions model state; activations are the same under both
+                (zm, kind), (dm, _) = (zero.model_state_bytes, "model state"), (ddp.model_state_bytes, "")
             if zm is None or not dm:
                 continue
             saving = 1 - zm / dm
-            ratio = res.get(w, "zero", g).epoch_time / res.get(w, "ddp", g).epoch_time
             savings.append(saving)
-            in_range = low <= saving <= high
-            verdicts.append(HOLDS if in_range and ratio <= t["max_time_ratio"] else FAILS)
-            notes.append(f"{w} {g} GPUs: ZeRO {kind} memory {saving:.0%} below DDP; epoch time x{ratio:.2f} of DDP")
+            ok = low <= saving <= high
+            note = f"{w} {g} GPUs: ZeRO {kind} memory {saving:.0%} below DDP"
+            if not res.on_gpu(zero) and res.memory(zero)[0] and res.memory(ddp)[0]:
+                note += f" (with activations, estimated peak: {1 - res.memory(zero)[0] / res.memory(ddp)[0]:.0%})"
+            why_not = res.timed([zero, ddp])
+            if why_not:
+                note += f"; epoch-time clause not testable here: {why_not}"
+            else:
+                ratio = zero.epoch_time / ddp.epoch_time
+                ok = ok and ratio <= t["max_time_ratio"]
+                note += f"; epoch time x{ratio:.2f} of DDP"
+            differ = run_settings.differences(zero.settings, ddp.settings, run_settings.TRAINING)
+            notes.append(note + (f"; they train differently ({', '.join(differ)})" if differ else ""))
+            verdicts.append(HOLDS if ok else FAILS)
         if len(savings) >= 2:
             grows = all(b >= a - 1e-9 for a, b in zip(savings, savings[1:]))
             verdicts.append(HOLDS if grows else FAILS)
@@ -118,6 +201,7 @@ def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
 
 
 def pipedream_slower(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
+    """Statistical efficiency per sample: epochs to the target, else the final metric."""
     verdicts, notes = [], []
     for w in res.workloads:
         counts = [g for g in res.gpus(w, "pipedream") if len(res.at(w, g)) >= 2]
@@ -126,19 +210,21 @@ def pipedream_slower(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
         gpus = counts[-1]
         cells = res.at(w, gpus)
         mine = cells.pop("pipedream")
-        timed = {row: r.time_to_target() for row, r in cells.items() if r.time_to_target() is not None}
-        if timed:
-            best = min(timed, key=timed.get)
-            own = mine.time_to_target()
-            slower = own is None or own >= t["slower_factor"] * timed[best]
-            own_text = "never" if own is None else f"{own:.1f}s"
-            notes.append(f"{w} at {gpus} GPUs: PipeDream reaches the target {own_text}, best other {best} {timed[best]:.1f}s")
+        reached = {row: epochs_to_target(r) for row, r in cells.items() if epochs_to_target(r) is not None}
+        if reached:
+            best = min(reached, key=reached.get)
+            own = epochs_to_target(mine)
+            slower = own is None or own >= t["slower_factor"] * reached[best]
+            own_text = "never" if own is None else f"after {own} epochs"
+            note = f"{w} at {gpus} GPUs: PipeDream reaches the target {own_text}, best other {best} after {reached[best]}"
         else:
             best = max(cells, key=lambda row: cells[row].final_metric * (1 if METRIC[w][1] else -1))
             gap = abs(mine.final_metric - cells[best].final_metric) / abs(cells[best].final_metric)
             slower = better(w, cells[best].final_metric, mine.final_metric) and gap >= t["worse_metric"]
-            notes.append(f"{w} at {gpus} GPUs: no run reached the target; PipeDream's final metric "
-                         f"{mine.final_metric:.4g} vs best {best} {cells[best].final_metric:.4g}")
+            note = (f"{w} at {gpus} GPUs: no run reached the target; PipeDream's final metric "
+                    f"{mine.final_metric:.4g} vs best {best} {cells[best].final_metric:.4g}")
+        differ = run_settings.differences(mine.settings, cells[best].settings)
+        notes.append(note + (f"; PipeDream vs {best}: {', '.join(differ)}" if differ else ""))
         verdicts.append(HOLDS if slower else FAILS)
     return combine(verdicts), notes
 
@@ -150,6 +236,11 @@ def pipelines_slowest(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
             cells = res.at(w, g)
             present = [row for row in t["rows"] if row in cells]
             if len(cells) < t["min_rows"] or not present:
+                continue
+            why_not = res.timed(list(cells.values()))
+            if why_not:
+                verdicts.append(NOT_TESTABLE)
+                notes.append(f"{w} {g} GPUs: not testable here: {why_not}")
                 continue
             ranking = sorted(cells, key=lambda row: cells[row].epoch_time, reverse=True)
             blurred = {not_separable(cells[p], cells[q]) for p in ranking[: len(present)] for q in ranking[len(present):]} - {None}
@@ -169,15 +260,28 @@ def megatron_u_shape(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
         if len(counts) < 3:
             continue
         cells = [res.get(w, t["row"], g) for g in counts]
+        why_not = res.activation_reason(cells)
+        if why_not:
+            verdicts.append(NOT_TESTABLE)
+            notes.append(f"{w}: not testable here: {why_not}")
+            continue
         memory = [res.memory(c)[0] for c in cells]
         lowest = memory.index(min(memory))
         u_shape = 0 < lowest < len(memory) - 1
-        last_speedup = cells[-2].epoch_time / cells[-1].epoch_time
-        flat = last_speedup < t["flat_speedup"]
-        verdicts.append(HOLDS if u_shape and flat else FAILS)
-        notes.append(f"{w}: {res.memory(cells[0])[1]} memory per GPU at {counts} GPUs: "
-                     f"{[round(m / 2**20, 2) for m in memory]} MiB (lowest at {counts[lowest]}); "
-                     f"last doubling speeds an epoch up x{last_speedup:.2f} (flat below x{t['flat_speedup']})")
+        note = (f"{w}: {res.memory(cells[0])[1]} per GPU at {counts} GPUs: {', '.join(mib(m) for m in memory)} "
+                f"(lowest at {counts[lowest]})")
+        if not res.on_gpu(cells[0]):
+            note += (f"; model state {', '.join(mib(c.model_state_bytes) for c in cells)}, activations "
+                     f"{', '.join(mib(c.activation_bytes) for c in cells)}")
+        why_not = res.timed(cells[-2:])
+        if why_not:
+            note += f"; scaling clause not testable here: {why_not}"
+            verdicts.append(HOLDS if u_shape else FAILS)
+        else:
+            speedup = cells[-2].epoch_time / cells[-1].epoch_time
+            note += f"; last doubling speeds an epoch up x{speedup:.2f} (flat below x{t['flat_speedup']})"
+            verdicts.append(HOLDS if u_shape and speedup < t["flat_speedup"] else FAILS)
+        notes.append(note)
     return combine(verdicts), notes
 
 
@@ -188,12 +292,21 @@ def pipeline_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
             counts = res.gpus(w, row)
             if len(counts) < 3:
                 continue
-            memory = [res.memory(res.get(w, row, g))[0] for g in counts]
+            cells = [res.get(w, row, g) for g in counts]
+            why_not = res.activation_reason(cells)
+            if why_not:
+                verdicts.append(NOT_TESTABLE)
+                notes.append(f"{w} {row}: not testable here: {why_not}")
+                continue
+            memory = [res.memory(c)[0] for c in cells]
             fall, last = memory[0] / memory[-1], memory[-2] / memory[-1]
-            holds = fall > t["min_fall"] and last < t["plateau_ratio"]
-            verdicts.append(HOLDS if holds else FAILS)
-            notes.append(f"{w} {row}: memory falls x{fall:.2f} from {counts[0]} to {counts[-1]} GPUs "
-                         f"(needs > x{t['min_fall']}), last step x{last:.2f} (plateau below x{t['plateau_ratio']})")
+            verdicts.append(HOLDS if fall > t["min_fall"] and last < t["plateau_ratio"] else FAILS)
+            note = (f"{w} {row}: {res.memory(cells[0])[1]} falls x{fall:.2f} from {counts[0]} to {counts[-1]} GPUs "
+                    f"(needs > x{t['min_fall']}), last step x{last:.2f} (plateau below x{t['plateau_ratio']})")
+            if not res.on_gpu(cells[0]):
+                note += (f"; model state {', '.join(mib(c.model_state_bytes) for c in cells)}, activations "
+                         f"{', '.join(mib(c.activation_bytes) for c in cells)}")
+            notes.append(note)
     return combine(verdicts), notes
 
 
@@ -207,20 +320,25 @@ CHECKS: dict[str, Callable[[Results, dict[str, Any]], tuple[str, list[str]]]] = 
 }
 
 
-def judge(results: list[Result], path: Path | None = None) -> list[Finding]:
+def judge(results: list[Result], path: Path | None = None, parity: list[dict[str, Any]] | None = None,
+          cores: int | None = None) -> list[Finding]:
+    """Every finding's verdict; `parity`: the parity report's rows, `cores`: this machine's (default)."""
     thresholds = yaml.safe_load((path or thresholds_path()).read_text())
-    indexed = Results(results)
+    indexed = Results(results, cores or available_cores(), parity)
     findings = []
     for key, check in CHECKS.items():
         verdict, notes = check(indexed, thresholds[key])
         findings.append(Finding(key, " ".join(thresholds[key]["paper"].split()), verdict,
-                                "; ".join(notes) or "no cells with the frameworks this finding needs"))
+                                notes or ["no cells with the frameworks this finding needs"],
+                                thresholds[key].get("needs", [])))
     return findings
 
 
 def markdown(findings: list[Finding]) -> str:
-    lines = ["# The paper's findings on this machine", ""]
+    lines = ["# The paper's findings on this machine", "",
+             "Each finding is judged only where the runs can show what it needs (configs/findings.yaml).", ""]
     for number, f in enumerate(findings, 1):
-        lines += [f"## {number}. {f.key}: **{f.verdict}**", "", f"> {f.paper}", "", f.evidence, ""]
+        lines += [f"## {number}. {f.key}: **{f.verdict}**", "", f"> {f.paper}", "",
+                  f"Needs: {', '.join(f.needs) or '-'}.", ""]
+        lines += [f"- {note}" for note in f.evidence] + [""]
     return "\n".join(lines)
-

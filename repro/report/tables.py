@@ -6,12 +6,14 @@ import io
 from pathlib import Path
 from typing import Any
 
+from repro.report import settings
 from repro.report.collect import Result
 
 RESULT_COLUMNS = [
     "workload", "framework", "gpus", "status", "epoch_s", "epoch_s_low", "epoch_s_high", "repeats", "speedup",
     "step_median_ms", "step_p10_ms", "step_p90_ms", "samples_per_s", "peak_memory_mib",
-    "model_state_mib", "memory_method", "final_metric", "time_to_target_s", "note",
+    "model_state_mib", "activation_mib", "estimated_peak_mib", "memory_method", "final_metric", "time_to_target_s",
+    "differs_in", "note",
 ]
 PLATFORM_COLUMNS = [
     "platform", "nodes", "cpu", "cores_per_node", "gpu", "gpus_per_node", "cpu_memory_gb", "gpu_memory_gb",
@@ -49,11 +51,15 @@ def note(r: Result) -> str:
 
 
 def result_rows(results: list[Result]) -> list[dict[str, Any]]:
-    """One row per cell; speed-up is over the same framework row's smallest GPU count."""
+    """One row per cell; speed-up is over the same framework row's smallest GPU count; `differs_in`: the
+    effective settings in which a cell trains unlike most cells of its workload and GPU count."""
     base = {}
     for r in sorted(results, key=lambda r: r.cell.gpus):
         if r.ok:
             base.setdefault((r.cell.workload, r.cell.row), r.epoch_time)
+    groups = {(r.cell.workload, r.cell.gpus) for r in results}
+    common = {g: settings.common([r.settings for r in results if r.ok and (r.cell.workload, r.cell.gpus) == g])
+              for g in groups}
     rows = []
     for r in results:
         first = base.get((r.cell.workload, r.cell.row))
@@ -61,7 +67,9 @@ def result_rows(results: list[Result]) -> list[dict[str, Any]]:
             "workload": r.cell.workload, "framework": r.cell.row, "gpus": r.cell.gpus, "status": r.status,
             "epoch_s": r.epoch_time, **spread(r), "speedup": first / r.epoch_time if r.ok and first else None,
             "samples_per_s": r.mean_throughput, "peak_memory_mib": _mib(r.peak_bytes),
-            "model_state_mib": _mib(r.model_state_bytes), "memory_method": r.memory_method,
+            "model_state_mib": _mib(r.model_state_bytes), "activation_mib": _mib(r.activation_bytes),
+            "estimated_peak_mib": _mib(r.estimated_peak_bytes), "memory_method": r.memory_method,
+            "differs_in": settings.departures(r.settings, common[r.cell.workload, r.cell.gpus]) if r.ok else "",
             "final_metric": r.final_metric, "time_to_target_s": r.time_to_target(),
             "note": note(r),
         })

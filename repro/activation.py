@@ -1,0 +1,124 @@
+"""Activation memory: the bytes of tensors autograd keeps for backward, counted the same on CPU and GPU.
+
+A `saved_tensors_hooks` pair sees every tensor an operation saves for its backward. Each storage is
+counted once however many saved views point into it (GPT-2's q, k and v are views of one c_attn
+output), from the first save until autograd drops the last reference to it (after its backward, or
+when the graph is freed): that is what occupies memory between a forward and its backward, and what
+makes Megatron's and the pipelines' per-GPU memory curves bend. Weights are model state, counted by
+`repro.metrics.model_state`: `nn.Parameter`s and views of them are left out.
+
+Hooks are thread-local. Frameworks that run layers on worker threads (torchgpipe runs each partition
+on a thread of its device) use `PartitionCounters`, which installs the hooks in whichever thread runs
+a partition and keeps one count per partition: per stand-in GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from functools import partial
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+def is_weight(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
+class _Saved:
+    """What autograd stores instead of a saved tensor: the tensor, and a release when autograd drops it."""
+
+    __slots__ = ("tensor", "counter", "key")
+
+    def __init__(self, tensor: torch.Tensor, counter: "Counter", key: tuple[str, int]):
+        self.tensor, self.counter, self.key = tensor, counter, key
+
+    def __del__(self) -> None:
+        self.counter.release(self.key)
+
+
+class Counter:
+    """Bytes of distinct storages saved for backward and still held: now and at the peak."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, int], list[int]] = {}  # storage -> [saved references, bytes]
+        self.current = 0
+        self.peak = 0
+        self.lock = threading.Lock()  # torchgpipe saves on worker threads and releases on the main one
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if is_weight(tensor) or tensor.device.type == "meta":
+            return tensor
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        with self.lock:
+            entry = self.held.setdefault(key, [0, storage.nbytes()])
+            if entry[0] == 0:
+                self.current += entry[1]
+                self.peak = max(self.peak, self.current)
+            entry[0] += 1
+        # detached: a saved output would otherwise hold its own grad_fn, a cycle only the garbage collector
+        # frees (autograd gives the unpacked tensor its place in the graph again)
+        return _Saved(tensor.detach(), self, key)
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def release(self, key: tuple[str, int]) -> None:
+        with self.lock:
+            entry = self.held[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.current -= entry[1]
+                del self.held[key]
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        """Count what is saved for backward on this thread while the context is open."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak
+
+
+class PartitionCounters:
+    """One Counter per pipeline partition of a single process (torchgpipe).
+
+    A forward pre-hook on each partition installs the saving hooks in the thread that runs it (once
+    per thread; torchgpipe starts fresh worker threads for every forward) and makes that partition
+    the thread's current one. A saved tensor counts to its thread's current partition: torchgpipe's
+    checkpointed micro-batches save their input just after the partition's forward returns, and a
+    recomputation during backward runs the partition's forward again. Tensors saved on the thread
+    that opened `hooks()` before any partition ran there (the loss) count to the last partition.
+    """
+
+    def __init__(self, partitions: Sequence[nn.Module]):
+        self.counters = [Counter() for _ in partitions]
+        self.local = threading.local()
+        for index, partition in enumerate(partitions):
+            partition.register_forward_pre_hook(partial(self.enter, index))
+
+    def enter(self, index: int, module: nn.Module, args: Any) -> None:
+        if not getattr(self.local, "installed", False):
+            torch.autograd.graph.saved_tensors_hooks(self.pack, Counter.unpack).__enter__()  # lives with the thread
+            self.local.installed = True
+        self.local.current = index
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        return self.counters[getattr(self.local, "current", -1)].pack(tensor)
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        self.local.installed, self.local.current = True, -1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, Counter.unpack):
+                yield
+        finally:
+            self.local.installed = False
+
+    @property
+    def peak_bytes(self) -> int:
+        """The busiest partition's peak: memory is per GPU."""
+        return max(counter.peak for counter in self.counters)

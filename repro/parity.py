@@ -1,0 +1,225 @@
+"""`repro parity`: does every framework train exactly like one plain PyTorch process, here?
+
+Each configuration below (a framework, a GPU count, its parallel layout) trains K steps at the same
+global batch, seed, data order (the loop's GlobalBatches) and optimizer as a reference: one process
+of plain PyTorch (DDP with one rank, which never communicates). The largest per-step difference
+between its training loss and the reference's is compared with a tolerance: 1e-5 in fp32 on CPU,
+where every framework's arithmetic is deterministic and differs from one process only in the order
+of its reductions. PipeDream with one stage must be exact too; with S stages its weight staleness
+changes the arithmetic by design, so its difference is measured and shown, not judged.
+
+This is torchtitan's parity method (docs/converging.md: a control and a test with the same tokens
+per step, the same seed, deterministic kernels) and the gradient-match tests of Megatron's CI, run
+as a report on the user's machine and software stack. Runs are recorded in MLflow (experiment
+`parity-SCALE`) and reused by recipe fingerprint, like the Table 2 matrix.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from repro import events, registry
+from repro.recipe import Recipe, load_file, recipe_path, section_key
+from repro.schema import RecipeError
+
+GLOBAL_BATCH = 8  # every configuration below can split it (torchgpipe: 8 micro-batches of 1 on 2 GPUs)
+STEPS = 4
+SMALL = ("model.n_layer=2",)  # embedding, 2 blocks, head: enough layers for 2 pipeline stages x 2 per rank
+ADAM = {"name": "adam", "lr": 0.001, "weight_decay": 0.0}  # PyTorch's Adam for all; LBANN's own differs (docs/lbann.md)
+SGD = {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "momentum": 0.9}
+# largest per-step training-loss difference accepted, by (device type, precision). The GPU bands
+# allow for non-deterministic reductions (fp32) and bf16's 8-bit mantissa over a loss of about 5.
+TOLERANCE = {("cpu", "fp32"): 1e-5, ("cuda", "fp32"): 1e-4, ("cuda", "bf16"): 5e-2}
+PASS, FAIL, MEASURED = "pass", "FAIL", "measured"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    framework: str
+    gpus: int
+    set: tuple[str, ...] = ()
+    exact: bool = True  # False: a difference is expected by design, measured rather than judged
+    optimizer: tuple[tuple[str, Any], ...] = tuple(ADAM.items())
+
+
+CONFIGS = (
+    Config("ddp-2", "ddp", 2),
+    Config("ddp-4", "ddp", 4),
+    *(Config(f"zero-{stage}", "zero", 2, (f"zero.stage={stage}",)) for stage in (1, 2, 3)),
+    Config("fsdp-2", "fsdp", 2),
+    Config("megatron-tp2", "megatron", 2, ("megatron.tp=2",)),
+    Config("megatron-tp2-dp2", "megatron", 4, ("megatron.tp=2",)),
+    Config("torchgpipe-2", "torchgpipe", 2),
+    *(Config(f"torch-{schedule}-2", "torch-pipeline", 2, (f"torch_pipeline.schedule={schedule}",))
+      for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")),
+    Config("pipedream-1", "pipedream", 1),
+    Config("pipedream-2", "pipedream", 2, exact=False),  # weight staleness: S-1-s updates behind
+    Config("lbann-2", "lbann", 2, exact=False, optimizer=tuple(SGD.items())),  # its reader orders data its own way
+)
+
+
+@dataclass
+class Row:
+    name: str
+    framework: str
+    gpus: int
+    status: str  # pass, FAIL, measured, or why it did not run
+    settings: str = ""
+    steps: int = 0
+    max_abs_diff: float | None = None
+    tolerance: float | None = None
+    losses: list[float] = field(default_factory=list)
+    reference_losses: list[float] = field(default_factory=list)
+
+
+def recipe_for(config: Config, workload: str, scale: str, steps: int, extra: list[str]) -> Recipe:
+    """The configuration's recipe at GLOBAL_BATCH: batch_per_gpu follows the framework's batch rule."""
+    optimizer = dict(config.optimizer)
+    fields = [f"run.framework={config.framework}", f"run.gpus={config.gpus}", "run.nodes=1", "train.epochs=1",
+              f"train.max_steps={steps}", f"data.max_train_samples={steps * GLOBAL_BATCH}",
+              f"data.max_val_samples={GLOBAL_BATCH}", *SMALL, *config.set]
+    for section in ("train", section_key(config.framework)):  # a framework section's optimizer wins
+        fields += [f"{section}.optimizer.{key}={value}" for key, value in optimizer.items()]
+    fields += list(extra)
+    path = recipe_path(workload, scale)
+    # probed at GLOBAL_BATCH per GPU, which splits wherever GLOBAL_BATCH does, on enough samples for it
+    probe = load_file(path, [*fields, f"train.batch_per_gpu={GLOBAL_BATCH}", f"data.max_train_samples={16 * GLOBAL_BATCH**2}"])
+    per_sample = registry.adapter_class(config.framework).global_batch(probe) // GLOBAL_BATCH
+    if GLOBAL_BATCH % per_sample:
+        raise RecipeError(str(path), "train.batch_per_gpu",
+                          f"{config.name}'s global batch is a multiple of {per_sample}; {GLOBAL_BATCH} is not")
+    return load_file(path, [*fields, f"train.batch_per_gpu={GLOBAL_BATCH // per_sample}"])
+
+
+def settings_text(recipe: Recipe) -> str:
+    o = recipe.optimizer()
+    return (f"{o.name} lr {o.lr:g} wd {o.weight_decay:g}, global batch {GLOBAL_BATCH}, {recipe.train.precision}, "
+            f"seed {recipe.seed}")
+
+
+def tolerance_for(recipe: Recipe) -> float:
+    import torch
+
+    device = "cuda" if recipe.run.device != "cpu" and torch.cuda.is_available() else "cpu"
+    return TOLERANCE.get((device, recipe.train.precision), TOLERANCE[("cuda", "bf16")])
+
+
+def newest_losses(uri: str, experiment: str) -> Callable[[Recipe], list[float] | None]:
+    """recipe -> training losses of the newest finished run of that fingerprint (None: none)."""
+    from repro.report.collect import history, search_runs
+    from repro.tracking import client
+
+    newest = {}
+    for run in search_runs(uri, experiment):  # newest first
+        if run.info.status == "FINISHED":
+            newest.setdefault(run.data.tags.get("repro.recipe_sha256"), run.info.run_id)
+    mlflow_client = client(uri)
+
+    def losses(recipe: Recipe) -> list[float] | None:
+        run_id = newest.get(recipe.fingerprint())
+        return history(mlflow_client, run_id, events.TRAIN_LOSS) if run_id else None
+
+    return losses
+
+
+def train(recipes: list[Recipe], uri: str, experiment: str, out: Callable[[str], None]) -> dict[str, str]:
+    """Run the recipes MLflow holds no finished run of; fingerprint -> why one could not run."""
+    from repro import runner
+    from repro.data import DataError
+    from repro.table2 import held_fingerprints
+
+    held = held_fingerprints(uri, experiment, retry_failed=True)
+    todo = {r.fingerprint(): r for r in recipes if r.fingerprint() not in held}
+    problems = {}
+    for index, (key, recipe) in enumerate(todo.items(), 1):
+        try:
+            code = runner.execute(recipe, uri, experiment, echo=lambda line: None, progress=False).returncode
+            if code:
+                problems[key] = f"run failed (exit {code})"
+        except (DataError, registry.Unavailable) as error:
+            code, problems[key] = 1, str(error)
+        out(f"parity [{index}/{len(todo)}] {recipe.run.framework} {recipe.run.gpus}g: {'done' if not code else 'FAILED'}")
+    return problems
+
+
+def compare(config: Config, recipe: Recipe, losses: list[float] | None, reference: list[float] | None,
+            steps: int) -> Row:
+    row = Row(config.name, config.framework, config.gpus, "", settings_text(recipe), steps)
+    if not losses or not reference or len(losses) < steps or len(reference) < steps:
+        row.status = "no losses recorded: run failed"
+        return row
+    row.losses, row.reference_losses = losses[:steps], reference[:steps]
+    row.max_abs_diff = max(abs(a - b) for a, b in zip(row.losses, row.reference_losses))
+    row.tolerance = tolerance_for(recipe)
+    row.status = (PASS if row.max_abs_diff <= row.tolerance else FAIL) if config.exact else MEASURED
+    return row
+
+
+def run_parity(workload: str, scale: str, uri: str, experiment: str, steps: int = STEPS,
+               names: list[str] | None = None, extra: list[str] = (), execute: bool = True,
+               out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> list[Row]:
+    """Train (unless `execute` is False) and compare every configuration; one Row each."""
+    configs = [c for c in CONFIGS if not names or c.name in names]
+    rows, planned = [], []
+    for config in configs:
+        missing = registry.framework(config.framework).missing()
+        if missing:
+            rows.append(Row(config.name, config.framework, config.gpus, f"unavailable here: missing {', '.join(missing)}"))
+            continue
+        try:
+            test = recipe_for(config, workload, scale, steps, list(extra))
+            reference = recipe_for(Config("reference", "ddp", 1, optimizer=config.optimizer), workload, scale, steps,
+                                   list(extra))
+        except RecipeError as error:
+            rows.append(Row(config.name, config.framework, config.gpus, f"not applicable: {error.problem}"))
+            continue
+        planned.append((config, test, reference))
+        rows.append(None)  # filled below, in CONFIGS order
+    problems = {}
+    if execute:
+        unique = {r.fingerprint(): r for _, test, ref in planned for r in (ref, test)}
+        problems = train(list(unique.values()), uri, experiment, out)
+    losses = newest_losses(uri, experiment)
+    compared = iter(planned)
+    for index, row in enumerate(rows):
+        if row is None:
+            config, test, reference = next(compared)
+            rows[index] = compare(config, test, losses(test), losses(reference), steps)
+            why = problems.get(test.fingerprint()) or problems.get(reference.fingerprint())
+            if why and rows[index].max_abs_diff is None:
+                rows[index].status = why
+    return rows
+
+
+def markdown(rows: list[Row], workload: str, steps: int) -> str:
+    lines = [
+        "# Parity: every framework against one plain PyTorch process", "",
+        f"{workload}, {steps} steps, global batch {GLOBAL_BATCH}, the same seed, data order and optimizer as the "
+        "reference (one process). `max |loss diff|` is the largest per-step training-loss difference; "
+        "`measured` rows differ by design (PipeDream's weight staleness across stages).", "",
+        "| configuration | framework | GPUs | settings | max \\|loss diff\\| | tolerance | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        diff = "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.2e}"
+        tolerance = "-" if r.tolerance is None else f"{r.tolerance:.0e}"
+        lines.append(f"| {r.name} | {r.framework} | {r.gpus} | {r.settings or '-'} | {diff} | {tolerance} | {r.status} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[Row], folder: Path, workload: str, steps: int) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    md, js = folder / "parity.md", folder / "parity.json"
+    md.write_text(markdown(rows, workload, steps))
+    js.write_text(json.dumps({"workload": workload, "steps": steps, "global_batch": GLOBAL_BATCH,
+                              "tolerances": {f"{d}/{p}": t for (d, p), t in TOLERANCE.items()},
+                              "rows": [asdict(r) for r in rows]}, indent=2))
+    return [md, js]
+
+
+def failed(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.status == FAIL]

@@ -1,0 +1,69 @@
+"""`repro parity` catches a real break: DDP ranks that never all-reduce their gradients."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from repro.parity import GLOBAL_BATCH, Config, Row, compare, recipe_for
+
+# Loaded by every Python process whose path starts with the folder holding it (sitecustomize): in
+# torchrun's workers, every DDP model gets a communication hook that keeps each rank's own gradient,
+# the bug of a gradient never averaged across ranks.
+BREAK = '''
+import os
+if "LOCAL_RANK" in os.environ:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    def local_gradient(state, bucket):
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    original = DistributedDataParallel.__init__
+
+    def broken(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.register_comm_hook(None, local_gradient)
+
+    DistributedDataParallel.__init__ = broken
+'''
+
+
+def test_every_configuration_gets_the_same_global_batch_and_optimizer():
+    recipes = {name: recipe_for(Config(name, fw, gpus, sets), "gpt2", "smoke", 4, [])
+               for name, fw, gpus, sets in [("ddp-4", "ddp", 4, ()), ("gpipe", "torchgpipe", 2, ()),
+                                            ("pd", "pipedream", 2, ()), ("tp", "megatron", 4, ("megatron.tp=2",))]}
+    assert {n: r.train.batch_per_gpu for n, r in recipes.items()} == {"ddp-4": 2, "gpipe": 1, "pd": 8, "tp": 2}
+    assert {(r.optimizer().name, r.optimizer().lr) for r in recipes.values()} == {("adam", 0.001)}  # megatron's own adamw overridden
+    assert all(r.data.max_train_samples == 4 * GLOBAL_BATCH for r in recipes.values())
+
+
+def test_a_difference_above_the_tolerance_fails_and_staleness_is_measured_not_judged():
+    recipe = recipe_for(Config("ddp-2", "ddp", 2), "gpt2", "smoke", 3, [])
+    reference = [5.5, 5.4, 5.3]
+    same = compare(Config("ddp-2", "ddp", 2), recipe, [5.5, 5.4 + 4e-6, 5.3], reference, 3)
+    off = compare(Config("ddp-2", "ddp", 2), recipe, [5.5, 5.4 + 4e-5, 5.3], reference, 3)
+    stale = compare(Config("pd", "pipedream", 2, exact=False), recipe, [5.5, 5.6, 5.3], reference, 3)
+    assert (same.status, off.status, stale.status) == ("pass", "FAIL", "measured")
+    assert off.max_abs_diff == pytest.approx(4e-5) and stale.max_abs_diff == pytest.approx(0.2)
+    assert compare(Config("ddp-2", "ddp", 2), recipe, [5.5], reference, 3).status.startswith("no losses")
+    assert Row("x", "ddp", 2, "pass").max_abs_diff is None
+
+
+def test_parity_fails_when_gradients_are_not_averaged(repro, tmp_path: Path):
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(BREAK)
+    repro.env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "inject"), repro.env.get("PYTHONPATH", "")])
+    result = repro("parity", "--configs", "ddp-2", "--steps", "3", "--reports", str(tmp_path / "reports"))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "parity fails for ddp-2" in result.stderr
+    row = json.loads((tmp_path / "reports" / "parity.json").read_text())["rows"][0]
+    assert row["name"] == "ddp-2" and row["status"] == "FAIL" and row["tolerance"] == 1e-5
+    # the first step runs before any update: same weights, same samples, so the comparison itself is sound
+    assert row["losses"][0] == pytest.approx(row["reference_losses"][0], abs=1e-5)
+    assert row["max_abs_diff"] > 1e-3  # each rank stepped with half the batch's gradient
+    assert "| ddp-2 | ddp | 2 |" in (tmp_path / "reports" / "parity.md").read_text()
