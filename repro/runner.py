@@ -5,12 +5,12 @@ kept in the run folder, and the MLflow run ends FAILED with the last lines of th
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,13 +34,19 @@ OUTPUT_FILE = "output.log"
 JOB_SCRIPT = "job.sbatch"
 RECIPE_FILE = "recipe.yaml"
 TAIL_LINES = 80
+ERROR_CHARS = 4800  # what of a failure's message fits in the repro.error tag (MLflow keeps 5000)
 STOP_GRACE_S = 45  # after a stop signal, torchrun gives its workers 30 s to save before killing them
 SPEC_WAIT_S = 120  # how long a node other than the first waits for the run folder to appear
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-# torchrun's failure summary names the first failed rank under this heading, as
-# "rank      : 1 (local_rank: 1)" then "exitcode  : -9 (pid: ...)"; the other ranks it stopped come before
+# torchrun's failure summary (ChildFailedError.format_msg, torch/distributed/elastic/multiprocessing/
+# errors/__init__.py) names the first failed rank under this heading, as "rank      : 1 (local_rank: 1)"
+# then "exitcode  : -9 (pid: ...)", and closes with a line of "="; the other ranks it stopped come before.
+# In a job of several nodes each node's torchrun prints one: the first printed is the failure's node.
 ROOT_CAUSE_HEADING = "Root Cause (first observed failure)"
 ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+SUMMARY_END = re.compile(r"^=+$", re.MULTILINE)
+# C++ stack frames that c10d appends to an error ("frame #3: c10d::... + 0x1f"): noise in repro.error
+STACK_FRAME = re.compile(r"^.*frame #\d+: .*\n?", re.MULTILINE)
 
 
 class LaunchError(registry.Unavailable):
@@ -99,19 +105,17 @@ def run_tags(recipe: Recipe, data_sha: str) -> dict[str, str]:
 
 
 class OutputPump(threading.Thread):
-    """Copies the job's output to the terminal and the run folder, keeping the last lines."""
+    """Copies the job's output to the terminal and the run folder."""
 
     def __init__(self, stream: TextIO, log: Path, echo: Callable[[str], None]):
         super().__init__(daemon=True)
         self.stream, self.log, self.echo = stream, log, echo
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def run(self) -> None:
         with open(self.log, "a") as log:
             for line in self.stream:
                 log.write(line)
                 log.flush()
-                self.tail.append(line)
                 self.echo(line.rstrip("\n"))
 
 
@@ -163,6 +167,14 @@ def check_launch(recipe: Recipe, options: Launch) -> None:
     if options.launcher == "slurm":
         if options.node_rank or options.rdzv_endpoint:
             raise LaunchError("--launcher slurm starts every node itself; drop --node-rank and --rdzv-endpoint")
+        if options.time:
+            try:
+                launch.time_limit_s(options.time)
+            except ValueError as error:
+                raise LaunchError(f"--time: {error}") from None
+        if not options.dry_run and shutil.which("sbatch") is None:
+            raise LaunchError("--launcher slurm: no sbatch on PATH; submit from a node of the cluster "
+                              "(or load its Slurm module), or preview the script with --dry-run")
         return
     if nodes > 1 and not (options.rdzv_endpoint and options.run_dir):
         raise LaunchError(
@@ -181,11 +193,29 @@ def command_for(recipe: Recipe, options: Launch, run_dir: Path) -> list[str]:
 def slurm_job(recipe: Recipe, options: Launch, run_dir: Path, data_dir: Path, uri: str) -> launch.SlurmJob:
     processes = registry.adapter_class(recipe.run.framework).processes(recipe)
     nodes = recipe.run.nodes
+    gpus_per_node = recipe.run.gpus // nodes if cluster_has_gpus(options.partition, options.dry_run) else 0
     return launch.SlurmJob(
-        name=recipe.run_name(), nodes=nodes, gpus_per_node=recipe.run.gpus // nodes,
+        name=recipe.run_name(), nodes=nodes, gpus_per_node=gpus_per_node,
         processes_per_node=processes // nodes, run_dir=run_dir, data_root=data_dir.parent, tracking_uri=uri,
         python=sys.executable, image=options.image, time=options.time, partition=options.partition,
     )
+
+
+def cluster_has_gpus(partition: str | None, dry_run: bool) -> bool:
+    """Whether the nodes of `partition` (else the default one, marked "*" by sinfo) declare gpu GRES.
+
+    sinfo --format="%P %G" prints one line per partition and GRES set, e.g. "debug* gpu:4" or
+    "cpu (null)" (src/sinfo/print.c). A --dry-run away from a cluster (no sinfo, or no answer) shows
+    the GPU form."""
+    sinfo = shutil.which("sinfo")
+    listed = sinfo and subprocess.run([sinfo, "--noheader", "--format=%P %G"], capture_output=True, text=True)
+    if not listed or listed.returncode:
+        if dry_run:
+            return True
+        raise LaunchError(f"--launcher slurm: sinfo failed: {listed.stderr.strip() if listed else 'not on PATH'}")
+    lines = [line.split(maxsplit=1) for line in listed.stdout.splitlines() if line.strip()]
+    wanted = [gres for name, gres in lines if (name.rstrip("*") == partition if partition else name.endswith("*"))]
+    return any(item.startswith("gpu") for gres in wanted for item in gres.split(","))
 
 
 def read_spec(run_dir: Path) -> dict:
@@ -221,9 +251,12 @@ def refuse_if_different(recipe: Recipe, run_dir: Path) -> None:
 def new_run(
     recipe: Recipe, options: Launch, uri: str, experiment: str, data_dir: Path, data_sha: str,
 ) -> tuple[Path, tracking.Run, dict]:
-    """A new run folder and MLflow run; RUN_DIR/run.json tells every rank of every node the recipe and run id."""
+    """A new run folder and MLflow run; RUN_DIR/run.json tells every rank of every node the recipe and run id.
+
+    A SLURM run waits in the queue first: it is created SCHEDULED, and its job's follower marks it RUNNING."""
     run_dir = new_run_dir(recipe, options.run_dir)
-    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha), recipe.flat())
+    status = "SCHEDULED" if options.launcher == "slurm" else "RUNNING"
+    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha), recipe.flat(), status)
     spec = {
         "recipe": recipe.to_dict(), "data_dir": str(data_dir.resolve()), "data_sha256": data_sha,
         "tracking_uri": uri, "mlflow_run_id": run.run_id,
@@ -236,12 +269,18 @@ def new_run(
     return run_dir, run, spec
 
 
-def continue_run(recipe: Recipe, wanted: str) -> tuple[Path, tracking.Run, dict]:
-    """A stopped run's folder and its MLflow run, running again and tagged as resumed."""
-    run_dir = find_resumable(recipe, wanted)
+# what a run's end records about that end; a resumed run starts without them
+END_TAGS = ("repro.error", "repro.interrupted", "repro.failed_rank")
+
+
+def continue_run(recipe: Recipe, options: Launch) -> tuple[Path, tracking.Run, dict]:
+    """A stopped run's folder and its MLflow run, running again (waiting, for SLURM) and tagged as resumed."""
+    run_dir = find_resumable(recipe, options.resume)
     refuse_if_different(recipe, run_dir)
     spec = read_spec(run_dir)
-    run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"])
+    run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"],
+                              "SCHEDULED" if options.launcher == "slurm" else "RUNNING")
+    run.delete_tags(END_TAGS)
     run.set_tag("repro.resumed", "true")
     run.set_tag("repro.resumed_from_step", str(checkpoint.latest(run_dir)[1].step))
     return run_dir, run, spec
@@ -264,19 +303,23 @@ def execute(
     if options.node_rank:
         return join(recipe, options, echo)
     if options.resume:
-        run_dir, run, spec = continue_run(recipe, options.resume)
+        run_dir, run, spec = continue_run(recipe, options)
     else:
         run_dir, run, spec = new_run(recipe, options, uri, experiment, data_dir, data_sha)
     if options.launcher == "slurm":
-        return submit(slurm_job(recipe, options, run_dir, data_dir, spec["tracking_uri"]), run, echo)
+        return submit(slurm_job(recipe, options, run_dir, data_dir, spec["tracking_uri"]), run, spec, echo)
     command = command_for(recipe, options, run_dir)
     run.log_dict(command, "command.json")
     returncode, status = follow(command, run_dir, run, echo, Progress(sys.stderr) if progress else None)
     return Outcome(returncode, run.run_id, run_dir, status)
 
 
-def submit(job: launch.SlurmJob, run: tracking.Run, echo: Callable[[str], None]) -> Outcome:
-    """Write the batch script into the run folder and hand it to sbatch; the job's follower logs the run."""
+def submit(job: launch.SlurmJob, run: tracking.Run, spec: dict, echo: Callable[[str], None]) -> Outcome:
+    """Write the batch script into the run folder and hand it to sbatch; the job's follower logs the run.
+
+    Every job of the run (the first and each resume) is kept, in order, in RUN_DIR/run.json
+    ("slurm_job_ids") and the tag repro.slurm_job_ids; repro.slurm_job_id is the latest. Until the
+    follower starts, the run stays SCHEDULED; `repro settle` ends it if the job goes without starting."""
     script = job.run_dir / JOB_SCRIPT
     script.write_text(launch.sbatch_script(job))
     run.log_artifact(script)
@@ -284,8 +327,11 @@ def submit(job: launch.SlurmJob, run: tracking.Run, echo: Callable[[str], None])
     if submitted.returncode:
         run.end("FAILED", f"sbatch failed: {submitted.stderr.strip()}")
         raise LaunchError(f"sbatch {script} failed: {submitted.stderr.strip()}")
-    job_id = submitted.stdout.strip().split(";")[0]
+    job_id = submitted.stdout.strip().split(";")[0]  # --parsable: "JOBID" or "JOBID;CLUSTER"
+    spec["slurm_job_ids"] = [*spec.get("slurm_job_ids", []), job_id]
+    checkpoint.atomic_write_text(job.run_dir / RUN_FILE, json.dumps(spec, indent=2))
     run.set_tag("repro.slurm_job_id", job_id)
+    run.set_tag("repro.slurm_job_ids", ",".join(spec["slurm_job_ids"]))
     echo(f"submitted SLURM job {job_id}; output in {job.run_dir}/slurm-{job_id}.out")
     return Outcome(0, run.run_id, job.run_dir)
 
@@ -324,11 +370,11 @@ class Job:
     """
 
     def __init__(self, command: list[str], output: Path, echo: Callable[[str], None]):
-        env = {**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": launch.TORCHRUN_SIGNALS}
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop the job in order
         )
+        self.output = output
         self.pump = OutputPump(self.process.stdout, output, echo)
         self.pump.start()
         self.tree = psutil.Process(self.process.pid)
@@ -373,17 +419,22 @@ class Job:
             self.process.wait(timeout=10)
 
     def failure(self) -> tuple[str, str | None]:
-        """(message, failing global rank) from the launcher's failure summary and the ranks' last lines."""
-        tail = "".join(self.pump.tail)
-        cause = ROOT_CAUSE.search(tail, tail.rfind(ROOT_CAUSE_HEADING) + 1)
+        """(message, failing global rank): the first failure summary of the job's output, then its last lines.
+
+        The message leads with the failed rank and fits the repro.error tag; C++ stack frames are left out."""
+        output = STACK_FRAME.sub("", self.output.read_text(errors="replace"))
+        tail = "".join(output.splitlines(keepends=True)[-TAIL_LINES:])
+        heading = output.find(ROOT_CAUSE_HEADING)
+        cause = ROOT_CAUSE.search(output, heading) if heading >= 0 else None
         if not cause:
-            return f"exit code {self.returncode}; last output:\n{tail}", None
-        rank, local_rank, code = cause.groups()
-        own = "".join(line for line in self.pump.tail if line.startswith(f"[default{local_rank}]:"))
-        return (
-            f"rank {rank} (local rank {local_rank}) failed with exit code {code}; its last lines:\n{own}\n"
-            f"last output of the job:\n{tail}", rank,
-        )
+            head, rank = f"exit code {self.returncode}", None
+        else:
+            rank, local_rank, code = cause.groups()
+            end = SUMMARY_END.search(output, cause.end())
+            summary = output[heading:end.start() if end else cause.end()].rstrip()
+            head = f"rank {rank} (local rank {local_rank}) failed with exit code {code}\n{summary}"
+        room = max(ERROR_CHARS - len(head), 0)
+        return f"{head}\nlast output of the job:\n{tail[-room:] if room else ''}", rank
 
 
 def job_files(run_dir: Path) -> list[Path]:
@@ -423,8 +474,9 @@ def follow(
                 time.sleep(0.5)
         if job.returncode == 0:
             status, error = "FINISHED", None
-        elif interrupted or job.stop_signal:
-            status, error = "KILLED", f"stopped by {(job.stop_signal or signal.SIGTERM).name}"
+        elif interrupted or job.stop_signal:  # under SLURM the signal reaches the ranks, not the follower
+            stopped_by = job.stop_signal.name if job.stop_signal else interrupted["signal"]
+            status, error = "KILLED", f"stopped by {stopped_by}"
             if interrupted:
                 run.set_tag("repro.interrupted", f"{interrupted['signal']} at step {interrupted['step']}; "
                             f"continue with: repro run ... --resume {run_dir}")

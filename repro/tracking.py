@@ -115,7 +115,11 @@ class Run:
         self.client, self.run_id = mlflow_client, run_id
 
     @classmethod
-    def create(cls, uri: str, experiment: str, name: str, tags: dict[str, str], params: dict[str, str]) -> "Run":
+    def create(
+        cls, uri: str, experiment: str, name: str, tags: dict[str, str], params: dict[str, str],
+        status: str = "RUNNING",
+    ) -> "Run":
+        """A new run; SCHEDULED (MLflow's "waits") for a job that is queued, not yet running."""
         from mlflow.entities import Param, RunTag
 
         mlflow_client = client(uri)
@@ -124,13 +128,15 @@ class Run:
             run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()],
             params=[Param(k, v[:6000]) for k, v in params.items()],
         )
+        if status != "RUNNING":
+            mlflow_client.update_run(run_id, status=status)
         return cls(mlflow_client, run_id)
 
     @classmethod
-    def reopen(cls, uri: str, run_id: str) -> "Run":
-        """An existing run, marked running again (a resumed or a queued job continues it)."""
+    def reopen(cls, uri: str, run_id: str, status: str = "RUNNING") -> "Run":
+        """An existing run, marked running again (a resumed or a queued job continues it), or SCHEDULED."""
         run = cls(client(uri), run_id)
-        run.client.update_run(run_id, status="RUNNING")
+        run.client.update_run(run_id, status=status)
         return run
 
     def log_events(self, new_events: list[dict[str, Any]]) -> None:
@@ -150,6 +156,12 @@ class Run:
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
+
+    def delete_tags(self, keys: tuple[str, ...]) -> None:
+        """Remove those of `keys` the run has (MLflow refuses to delete a tag that is not there)."""
+        present = self.client.get_run(self.run_id).data.tags
+        for key in set(keys) & set(present):
+            self.client.delete_tag(self.run_id, key)
 
     def log_artifact(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))

@@ -120,3 +120,15 @@ def mlflow_runs(uri: str, experiment: str = "repro") -> list:
     client = MlflowClient(tracking_uri=uri)
     found = client.get_experiment_by_name(experiment)
     return client.search_runs([found.experiment_id]) if found else []
+
+
+@pytest.fixture(scope="module", params=["cpu"])
+def slurm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A real Slurm cluster of two nodes on this host (tests/slurm_cluster.py), for one test module.
+
+    Parametrize indirectly with "gpu" for nodes that declare fake GPU GRES."""
+    from slurm_cluster import Cluster
+
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"), gpus=request.param == "gpu").start()
+    yield cluster
+    cluster.stop()
