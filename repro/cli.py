@@ -123,6 +123,56 @@ def attach(run_dir: Path, command: tuple[str, ...]) -> None:
 
 
 @main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True, path_type=Path))
+def sync(run_dirs: tuple[Path, ...]) -> None:
+    """Deliver to MLflow what RUN_DIRS hold and their MLflow runs miss (after a server outage, say).
+
+    \b
+    Each run folder remembers how far delivery got (RUN_DIR/delivery.json); sync resumes there,
+    and running it twice logs nothing twice. A run whose job has ended is ended in MLflow too.
+      repro sync runs/gpt2-ddp-1gpu-*
+    """
+    from repro.delivery import Delivery
+
+    failed = 0
+    for run_dir in run_dirs:
+        delivery = Delivery(run_dir)
+        try:
+            ended = delivery.deliver()
+        except Exception as error:  # the server is away again: say what is left, the next sync resumes
+            delivery.record_undelivered(error)
+            click.echo(f"{run_dir}: {delivery.state.undelivered}", err=True)
+            failed += 1
+            continue
+        state = delivery.state
+        end = f"ended {state.ended}" if ended else "no end recorded yet (the job runs, or see `repro settle`)"
+        click.echo(f"{run_dir}: {state.events_delivered} events ({state.points_delivered} metric points), "
+                   f"{len(state.files)} files delivered; {end}")
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+@click.option("--stale-after", type=float, default=120, show_default=True, metavar="SECONDS",
+              help="A run folder whose heartbeat is this old, with no live follower or Slurm job, has lost its job.")
+def settle(run_dirs: tuple[Path, ...], tracking_uri: str | None, stale_after: float) -> None:
+    """End the RUNNING and SCHEDULED MLflow runs whose job is gone, from their run folders' events.
+
+    \b
+    Without RUN_DIRS: every such run of the store (its folder is the tag repro.run_dir). A job is
+    gone when its heartbeat is stale, its follower no longer runs and Slurm no longer has it; the
+    events then say FINISHED, KILLED or FAILED, and the reason is the tag repro.settled.
+      repro settle --tracking-uri http://127.0.0.1:5000
+    """
+    from repro import settle as settling
+    from repro import tracking
+
+    lines = settling.settle(tracking.tracking_uri(tracking_uri), list(run_dirs), stale_after)
+    click.echo("\n".join(lines) or "no RUNNING or SCHEDULED run to settle")
+
+
+@main.command()
 @click.option("--scale", type=click.Choice(SCALES), default="smoke", show_default=True)
 @click.option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
 @click.option("--experiment", help="MLflow experiment (default: table2-SCALE).")

@@ -49,22 +49,22 @@ class EventWriter:
 
 
 class EventReader:
-    """Reads the events appended since the last call (a complete line at a time)."""
+    """Reads the events appended since the last call (a complete line at a time), from byte `offset` on."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, offset: int = 0):
         self.path = path
-        self._offset = 0
+        self.offset = offset  # the end of the last complete line read
 
     def new(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
             return
         with open(self.path) as f:
-            f.seek(self._offset)
+            f.seek(self.offset)
             while True:
                 line = f.readline()
                 if not line.endswith("\n"):
                     break
-                self._offset = f.tell()
+                self.offset = f.tell()
                 yield json.loads(line)
 
 

@@ -1,7 +1,8 @@
 """One run from the parent's side: verify data, launch the job, follow its events into MLflow.
 
-Nothing is lost when a run fails: events are ingested as they are written, the job's output is
-kept in the run folder, and the MLflow run ends FAILED with the last lines of that output.
+Nothing is lost when a run fails: events are delivered as they are written (repro.delivery, in a
+thread of its own, so an MLflow outage never stops or slows the job), the job's output is kept in
+the run folder, and the MLflow run ends FAILED with the last lines of that output.
 """
 from __future__ import annotations
 
@@ -23,18 +24,22 @@ from typing import Callable, Iterator, Literal, TextIO
 import psutil
 import yaml
 
-from repro import checkpoint, doctor, events, launch, registry, tracking
+from repro import checkpoint, delivery, doctor, events, launch, registry, slurm, tracking
 from repro.data import DataError
 from repro.data.sets import dataset
+from repro.delivery import RECIPE_FILE
 from repro.loop import RUN_FILE
 from repro.recipe import Recipe, differing_fields, resolve
+from repro.settle import SLURM_JOB_KEY
 
 RUNS_DIR = Path("runs")
 OUTPUT_FILE = "output.log"
 JOB_SCRIPT = "job.sbatch"
-RECIPE_FILE = "recipe.yaml"
 TAIL_LINES = 80
 ERROR_CHARS = 4800  # what of a failure's message fits in the repro.error tag (MLflow keeps 5000)
+HEARTBEAT_S = 5  # how often the follower says it is alive (RUN_DIR/heartbeat.json)
+# After the job: how long the follower keeps trying to deliver the rest before leaving it to `repro sync`
+DELIVERY_BUDGET_S = float(os.environ.get("REPRO_DELIVERY_BUDGET_S", 60))
 STOP_GRACE_S = 45  # after a stop signal, torchrun gives its workers 30 s to save before killing them
 SPEC_WAIT_S = 120  # how long a node other than the first waits for the run folder to appear
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -90,18 +95,30 @@ def verify_data(recipe: Recipe) -> tuple[Path, str]:
         return spec.locate(), "unverified"
 
 
-def run_tags(recipe: Recipe, data_sha: str) -> dict[str, str]:
+def run_tags(recipe: Recipe, data_sha: str, run_dir: Path) -> dict[str, str]:
     tags = {
         "model": recipe.workload, "framework": recipe.run.framework, "gpus": recipe.run.gpus,
         "nodes": recipe.run.nodes, "scale": recipe.scale, "seed": recipe.seed,
         "recipe_sha256": recipe.fingerprint(), "data_sha256": data_sha, "git_sha": doctor.git_sha(),
+        "run_dir": run_dir,
     }
     if recipe.run.allow_unverified:
         tags["unverified_data"] = "true"
     image = doctor.image()
     if image:
         tags["image"] = image
-    return {f"{tracking.TAG_PREFIX}{k}": str(v) for k, v in tags.items()}
+    source = {tracking.SOURCE_NAME: recipe.source, tracking.SOURCE_TYPE: "LOCAL", tracking.SOURCE_COMMIT: tags["git_sha"]}
+    return {**{f"{tracking.TAG_PREFIX}{k}": str(v) for k, v in tags.items()}, **source}
+
+
+def run_params(recipe: Recipe) -> dict[str, str]:
+    """The recipe's fields, and what the framework really trains with under `effective.*` (the same
+    names for every framework, so MLflow's compare view lines them up)."""
+    params = recipe.flat()
+    if recipe.optimizer() is not recipe.train.optimizer:  # the framework's section overrides the workload's
+        params = {k: v for k, v in params.items() if not k.startswith("train.optimizer.")}
+    effective = registry.adapter_class(recipe.run.framework).effective(recipe)
+    return {**params, **{f"effective.{k}": str(v) for k, v in effective.items()}}
 
 
 class OutputPump(threading.Thread):
@@ -202,20 +219,13 @@ def slurm_job(recipe: Recipe, options: Launch, run_dir: Path, data_dir: Path, ur
 
 
 def cluster_has_gpus(partition: str | None, dry_run: bool) -> bool:
-    """Whether the nodes of `partition` (else the default one, marked "*" by sinfo) declare gpu GRES.
-
-    sinfo --format="%P %G" prints one line per partition and GRES set, e.g. "debug* gpu:4" or
-    "cpu (null)" (src/sinfo/print.c). A --dry-run away from a cluster (no sinfo, or no answer) shows
-    the GPU form."""
-    sinfo = shutil.which("sinfo")
-    listed = sinfo and subprocess.run([sinfo, "--noheader", "--format=%P %G"], capture_output=True, text=True)
-    if not listed or listed.returncode:
+    """Whether the jobs's nodes have GPUs; a --dry-run away from a cluster shows the GPU form."""
+    try:
+        return slurm.partition_has_gpus(partition)
+    except slurm.SlurmUnreachable as error:
         if dry_run:
             return True
-        raise LaunchError(f"--launcher slurm: sinfo failed: {listed.stderr.strip() if listed else 'not on PATH'}")
-    lines = [line.split(maxsplit=1) for line in listed.stdout.splitlines() if line.strip()]
-    wanted = [gres for name, gres in lines if (name.rstrip("*") == partition if partition else name.endswith("*"))]
-    return any(item.startswith("gpu") for gres in wanted for item in gres.split(","))
+        raise LaunchError(f"--launcher slurm: {error}") from None
 
 
 def read_spec(run_dir: Path) -> dict:
@@ -255,8 +265,10 @@ def new_run(
 
     A SLURM run waits in the queue first: it is created SCHEDULED, and its job's follower marks it RUNNING."""
     run_dir = new_run_dir(recipe, options.run_dir)
+    dataset_input = (recipe.data.dataset, data_sha, str(data_dir.resolve()))
     status = "SCHEDULED" if options.launcher == "slurm" else "RUNNING"
-    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha), recipe.flat(), status)
+    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha, run_dir),
+                              run_params(recipe), dataset_input, status)
     spec = {
         "recipe": recipe.to_dict(), "data_dir": str(data_dir.resolve()), "data_sha256": data_sha,
         "tracking_uri": uri, "mlflow_run_id": run.run_id,
@@ -270,7 +282,7 @@ def new_run(
 
 
 # what a run's end records about that end; a resumed run starts without them
-END_TAGS = ("repro.error", "repro.interrupted", "repro.failed_rank")
+END_TAGS = ("repro.error", "repro.interrupted", "repro.failed_rank", "repro.settled")
 
 
 def continue_run(recipe: Recipe, options: Launch) -> tuple[Path, tracking.Run, dict]:
@@ -309,8 +321,7 @@ def execute(
     if options.launcher == "slurm":
         return submit(slurm_job(recipe, options, run_dir, data_dir, spec["tracking_uri"]), run, spec, echo)
     command = command_for(recipe, options, run_dir)
-    run.log_dict(command, "command.json")
-    returncode, status = follow(command, run_dir, run, echo, Progress(sys.stderr) if progress else None)
+    returncode, status = follow(command, run_dir, echo, Progress(sys.stderr) if progress else None)
     return Outcome(returncode, run.run_id, run_dir, status)
 
 
@@ -318,16 +329,18 @@ def submit(job: launch.SlurmJob, run: tracking.Run, spec: dict, echo: Callable[[
     """Write the batch script into the run folder and hand it to sbatch; the job's follower logs the run.
 
     Every job of the run (the first and each resume) is kept, in order, in RUN_DIR/run.json
-    ("slurm_job_ids") and the tag repro.slurm_job_ids; repro.slurm_job_id is the latest. Until the
+    ("slurm_job_ids") and the tag repro.slurm_job_ids; "slurm_job_id" and repro.slurm_job_id are the latest. Until the
     follower starts, the run stays SCHEDULED; `repro settle` ends it if the job goes without starting."""
     script = job.run_dir / JOB_SCRIPT
     script.write_text(launch.sbatch_script(job))
     run.log_artifact(script)
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if submitted.returncode:
-        run.end("FAILED", f"sbatch failed: {submitted.stderr.strip()}")
+        delivery.Outcome("FAILED", f"sbatch failed: {submitted.stderr.strip()}").save(job.run_dir)
+        delivery.Delivery(job.run_dir).deliver()
         raise LaunchError(f"sbatch {script} failed: {submitted.stderr.strip()}")
     job_id = submitted.stdout.strip().split(";")[0]  # --parsable: "JOBID" or "JOBID;CLUSTER"
+    spec[SLURM_JOB_KEY] = job_id  # the job `repro settle` asks Slurm about
     spec["slurm_job_ids"] = [*spec.get("slurm_job_ids", []), job_id]
     checkpoint.atomic_write_text(job.run_dir / RUN_FILE, json.dumps(spec, indent=2))
     run.set_tag("repro.slurm_job_id", job_id)
@@ -338,10 +351,7 @@ def submit(job: launch.SlurmJob, run: tracking.Run, spec: dict, echo: Callable[[
 
 def attach(run_dir: Path, command: list[str], echo: Callable[[str], None] = print) -> int:
     """Run `command` (the job steps) and follow its events into the run recorded in `run_dir`."""
-    spec = read_spec(run_dir)
-    run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"])
-    run.log_dict(command, "command.json")
-    return follow(command, run_dir, run, echo, Progress(sys.stderr))[0]
+    return follow(command, run_dir, echo, Progress(sys.stderr))[0]
 
 
 def join(recipe: Recipe, options: Launch, echo: Callable[[str], None]) -> Outcome:
@@ -437,55 +447,56 @@ class Job:
         return f"{head}\nlast output of the job:\n{tail[-room:] if room else ''}", rank
 
 
-def job_files(run_dir: Path) -> list[Path]:
-    """What the job left in its run folder (events, output, files an adapter wrote), inputs excluded."""
-    inputs = {RUN_FILE, RECIPE_FILE}
-    return sorted(p for p in run_dir.iterdir() if p.is_file() and p.name not in inputs)
-
-
-def follow(
-    command: list[str], run_dir: Path, run: tracking.Run, echo: Callable[[str], None], progress: Progress | None,
-) -> tuple[int, str]:
-    """Run the job, feeding its events to MLflow as they come; end the run with the job's status.
+def follow(command: list[str], run_dir: Path, echo: Callable[[str], None], progress: Progress | None) -> tuple[int, str]:
+    """Run the job while a courier thread delivers its events to MLflow; end the run with the job's status.
 
     FINISHED when the job succeeds; KILLED when it was stopped by a signal (after a stop signal the
     ranks save a checkpoint first, and the run is tagged with how to resume it); FAILED otherwise,
-    with the failing rank and the last lines of output.
+    with the failing rank and the last lines of output. The end is written to RUN_DIR/outcome.json
+    first, so it survives an MLflow server that is away (`repro sync` delivers it later).
     """
+    checkpoint.atomic_write_text(run_dir / "command.json", json.dumps(command, indent=2))
     reader = events.EventReader(run_dir / events.EVENTS_FILE)
     shown = progress.show if progress else lambda event: None
-    for event in reader.new():  # a resumed run: the events already in MLflow, for the progress display
+    for event in reader.new():  # a resumed run: the events already delivered, for the progress display
         shown(event)
+    courier = delivery.Courier(delivery.Delivery(run_dir))
+    courier.delivery.restart()
+    delivery.beat(run_dir)
+    courier.start()
     job = Job(command, run_dir / OUTPUT_FILE, echo)
-    interrupted = None
-    status, error = "FAILED", "the follower stopped before the job"
+    interrupted, last_beat = None, time.monotonic()
+    outcome = delivery.Outcome("FAILED", "the follower stopped before the job")
     try:
         with job.forwarding_signals():
             while True:
                 finished = job.finished()
-                batch = list(reader.new())
-                for event in batch:
+                for event in reader.new():
                     shown(event)
                     interrupted = event if event["event"] == events.INTERRUPTED else interrupted
-                if batch:
-                    run.log_events(batch)
                 if finished:
                     break
+                if time.monotonic() - last_beat > HEARTBEAT_S:
+                    delivery.beat(run_dir)
+                    last_beat = time.monotonic()
                 time.sleep(0.5)
-        if job.returncode == 0:
-            status, error = "FINISHED", None
-        elif interrupted or job.stop_signal:  # under SLURM the signal reaches the ranks, not the follower
-            stopped_by = job.stop_signal.name if job.stop_signal else interrupted["signal"]
-            status, error = "KILLED", f"stopped by {stopped_by}"
-            if interrupted:
-                run.set_tag("repro.interrupted", f"{interrupted['signal']} at step {interrupted['step']}; "
-                            f"continue with: repro run ... --resume {run_dir}")
-        else:
-            error, rank = job.failure()
-            if rank is not None:
-                run.set_tag("repro.failed_rank", rank)
+        outcome = ending(job, interrupted, run_dir)
     finally:
-        for path in job_files(run_dir):
-            run.log_artifact(path)
-        run.end(status, error)
-    return job.returncode, status
+        outcome.save(run_dir)
+        if not courier.finish(DELIVERY_BUDGET_S):
+            echo(f"repro: MLflow did not take everything: {courier.delivery.state.undelivered}")
+    return job.returncode, outcome.status
+
+
+def ending(job: Job, interrupted: dict | None, run_dir: Path) -> delivery.Outcome:
+    if job.returncode == 0:
+        return delivery.Outcome("FINISHED")
+    if interrupted or job.stop_signal:  # under SLURM the signal reaches the ranks, not the follower
+        stopped_by = job.stop_signal.name if job.stop_signal else interrupted["signal"]
+        outcome = delivery.Outcome("KILLED", f"stopped by {stopped_by}")
+        if interrupted:
+            outcome.tags["repro.interrupted"] = (f"{interrupted['signal']} at step {interrupted['step']}; "
+                                                 f"continue with: repro run ... --resume {run_dir}")
+        return outcome
+    error, rank = job.failure()
+    return delivery.Outcome("FAILED", error, {"repro.failed_rank": rank} if rank is not None else {})

@@ -99,6 +99,18 @@ class Adapter:
         """Samples per optimizer step over the whole job (the paper's rule: batch per GPU x GPUs)."""
         return recipe.train.batch_per_gpu * recipe.run.gpus
 
+    @classmethod
+    def micro_batches(cls, recipe: Recipe) -> int:
+        """Micro-batches each global batch is cut into (1 where the framework does not pipeline)."""
+        return 1
+
+    @classmethod
+    def effective(cls, recipe: Recipe) -> dict[str, Any]:
+        """What this framework really trains with, under names every framework shares (MLflow's `effective.*`)."""
+        optimizer = recipe.optimizer()
+        return {"optimizer": optimizer.name, "lr": optimizer.lr, "weight_decay": optimizer.weight_decay,
+                "global_batch": cls.global_batch(recipe), "micro_batches": cls.micro_batches(recipe)}
+
     # -- per-rank behaviour --------------------------------------------------------------------
     def setup(self, model: nn.Sequential) -> None:
         raise NotImplementedError

@@ -108,6 +108,10 @@ class TorchPipelineAdapter(Adapter):
     Options = TorchPipelineOptions
 
     @classmethod
+    def micro_batches(cls, recipe: Recipe) -> int:
+        return microbatches(recipe)
+
+    @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
         import torch.distributed.pipelining as pipelining
 

@@ -68,6 +68,10 @@ class GPipeAdapter(Adapter):
     def global_batch(cls, recipe: Recipe) -> int:
         return recipe.train.batch_per_gpu * cls.chunks(recipe)
 
+    @classmethod
+    def micro_batches(cls, recipe: Recipe) -> int:
+        return cls.chunks(recipe)
+
     def devices(self) -> list[torch.device]:
         gpus = self.ctx.recipe.run.gpus
         if self.ctx.device.type != "cuda":
