@@ -329,8 +329,9 @@ def submit(job: launch.SlurmJob, run: tracking.Run, spec: dict, echo: Callable[[
     """Write the batch script into the run folder and hand it to sbatch; the job's follower logs the run.
 
     Every job of the run (the first and each resume) is kept, in order, in RUN_DIR/run.json
-    ("slurm_job_ids") and the tag repro.slurm_job_ids; "slurm_job_id" and repro.slurm_job_id are the latest. Until the
-    follower starts, the run stays SCHEDULED; `repro settle` ends it if the job goes without starting."""
+    ("slurm_job_ids") and the tag repro.slurm_job_ids; "slurm_job_id" and repro.slurm_job_id name the
+    latest. Until the follower starts, the run stays SCHEDULED; `repro settle` ends it if the job goes
+    without starting."""
     script = job.run_dir / JOB_SCRIPT
     script.write_text(launch.sbatch_script(job))
     run.log_artifact(script)

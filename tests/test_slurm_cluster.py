@@ -78,6 +78,19 @@ def test_a_two_node_job_finishes_recorded_once(repro, slurm):
     assert len(list((run_dir / "ranks").glob(f"{job_id}_*"))) == 2  # one torchrun per node
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slurm", ["gpu"], indirect=True)
+def test_the_gpu_form_is_accepted_by_nodes_with_gpu_gres(repro, slurm):
+    """Nodes declaring fake GPUs (gres.conf, devices made with mknod): the script asks a GPU per process."""
+    job_id, run_dir = submit(repro, slurm, "--max-steps", "2", *SMALL)
+    script = (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --gpus-per-node=1" in script and "--cpus-per-task" not in script
+    run = wait_for_run(repro)  # no CUDA behind the fake devices: the ranks train on CPU
+    assert run.info.status == "FINISHED", run.data.tags.get("repro.error")
+    assert [e["step"] for e in read_events(run_dir) if e["event"] == "step"] == [1, 2]
+
+
 STEPS = 1024 // 16  # one epoch of the smoke recipe on 2 processes
 
 
