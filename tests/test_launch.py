@@ -88,3 +88,11 @@ def test_cli_dry_run_prints_the_batch_script(repro):
     assert "#SBATCH --gpus-per-node=2" in out.stdout and "--nproc-per-node 2" in out.stdout
     assert "#SBATCH --time=01:00:00" in out.stdout
     assert not (repro.cwd / "runs").exists()
+
+
+def test_no_sbatch_on_path_is_refused_before_anything_starts(repro):
+    repro.env["PATH"] = str(repro.cwd)  # no Slurm client here
+    out = repro("run", "gpt2", "--gpus", "2", "--nodes", "2", "--launcher", "slurm")
+    assert out.returncode == 2 and "repro: --launcher slurm: no sbatch on PATH" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (repro.cwd / "runs").exists() and not (repro.cwd / "mlflow.db").exists()
