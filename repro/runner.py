@@ -40,6 +40,10 @@ ERROR_CHARS = 4800  # what of a failure's message fits in the repro.error tag (M
 HEARTBEAT_S = 5  # how often the follower says it is alive (RUN_DIR/heartbeat.json)
 # After the job: how long the follower keeps trying to deliver the rest before leaving it to `repro sync`
 DELIVERY_BUDGET_S = float(os.environ.get("REPRO_DELIVERY_BUDGET_S", 60))
+# After the ranks' `interrupted` event (all have saved): how long the job may take to end by itself. On
+# scancel, srun waits for Slurm's KillWait (30 s by default) and the follower, in the batch step, is
+# killed with it; it must record the end before.
+SAVED_GRACE_S = 5
 STOP_GRACE_S = 45  # after a stop signal, torchrun gives its workers 30 s to save before killing them
 SPEC_WAIT_S = 120  # how long a node other than the first waits for the run folder to appear
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -474,9 +478,12 @@ def follow(command: list[str], run_dir: Path, echo: Callable[[str], None], progr
                 finished = job.finished()
                 for event in reader.new():
                     shown(event)
-                    interrupted = event if event["event"] == events.INTERRUPTED else interrupted
+                    if event["event"] == events.INTERRUPTED:
+                        interrupted, saved_at = event, time.monotonic()
                 if finished:
                     break
+                if interrupted and time.monotonic() - saved_at > SAVED_GRACE_S:
+                    job.kill_leftovers()  # every rank has saved; what lingers would hold the follower past KillWait
                 if time.monotonic() - last_beat > HEARTBEAT_S:
                     delivery.beat(run_dir)
                     last_beat = time.monotonic()

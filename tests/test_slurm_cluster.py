@@ -99,9 +99,12 @@ def test_scancel_of_a_running_job_keeps_a_mid_epoch_checkpoint_and_resume_finish
     first, run_dir = submit(repro, slurm, "--epochs", "1", "--set", "data.max_val_samples=32")
     wait_for_step(run_dir, 5)
     assert slurm.client("scancel", first).returncode == 0
-    killed = wait_for_run(repro)
     assert wait_for_job_end(slurm, first) == "CANCELLED"
-    assert killed.info.status == "KILLED" and killed.data.tags["repro.error"] == "stopped by SIGTERM"
+    # the follower, in the batch step, is killed KillWait (30 s) after the scancel: it records the end
+    # before, and a follower too slow for that (a loaded machine) leaves its outcome to `repro settle`
+    assert "ended KILLED" in settle(repro, run_dir)
+    killed = wait_for_run(repro, timeout=1)
+    assert killed.info.status == "KILLED" and killed.data.tags["repro.error"].startswith("stopped by SIGTERM")
     (interrupted,) = [e for e in read_events(run_dir) if e["event"] == "interrupted"]
     assert interrupted["signal"] == "SIGTERM" and 5 <= interrupted["step"] < STEPS  # in the middle of the epoch
     assert killed.data.tags["repro.interrupted"].startswith(f"SIGTERM at step {interrupted['step']}")
