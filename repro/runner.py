@@ -223,7 +223,7 @@ def slurm_job(recipe: Recipe, options: Launch, run_dir: Path, data_dir: Path, ur
 
 
 def cluster_has_gpus(partition: str | None, dry_run: bool) -> bool:
-    """Whether the jobs's nodes have GPUs; a --dry-run away from a cluster shows the GPU form."""
+    """Whether the job's nodes have GPUs; a --dry-run away from a cluster shows the GPU form."""
     try:
         return slurm.partition_has_gpus(partition)
     except slurm.SlurmUnreachable as error:
