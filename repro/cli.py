@@ -21,7 +21,22 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineErrors(click.Group):
+    """Usage errors (a bad option value, a missing argument) in one line, like every other refusal."""
+
+    def main(self, *args, **kwargs):  # type: ignore[override]
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as error:
+            command = error.ctx.command_path if error.ctx else "repro"
+            fail(f"{error.format_message()} (see {command} -h)", error.exit_code)
+        except click.ClickException as error:
+            fail(error.format_message(), error.exit_code)
+        except click.Abort:
+            fail("aborted", 130)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Re-run the experiments of "A Survey and Empirical Evaluation of Parallel Deep
     Learning Frameworks" (Nichols et al., 2021) with checksummed data, fixed seeds and
@@ -70,11 +85,13 @@ def main() -> None:
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Without SLURM, the first node's rendezvous address.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Run folder (default: a new one under runs/); a job of several nodes needs one they share.")
+@click.option("--oversubscribe", is_flag=True,
+              help="Start more CPU processes than 2 per core on a machine without GPUs (refused otherwise).")
 def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_file: Path | None, seed: int | None,
         epochs: int | None, max_steps: int | None, tracking_uri: str | None, experiment: str,
         overrides: tuple[str, ...], allow_unverified: bool, dry_run: bool, launcher: str, resume: str | None,
         image: str | None, time_limit: str | None, partition: str | None, node_rank: int,
-        rdzv_endpoint: str | None, run_dir: Path | None) -> None:
+        rdzv_endpoint: str | None, run_dir: Path | None, oversubscribe: bool) -> None:
     """Train MODEL (vgg16 or gpt2) with one framework and record the run in MLflow.
 
     \b
@@ -92,15 +109,18 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
 
     try:
         registry.framework(framework)
-        cli_fields = [f"run.framework={framework}", f"run.gpus={gpus}", f"run.nodes={nodes}"]
-        cli_fields += [f"seed={seed}"] * (seed is not None) + [f"train.epochs={epochs}"] * (epochs is not None)
-        cli_fields += [f"train.max_steps={max_steps}"] * (max_steps is not None)
-        cli_fields += ["run.allow_unverified=true"] * allow_unverified
+        flags = {f"run.framework={framework}": f"--framework {framework}", f"run.gpus={gpus}": f"--gpus {gpus}",
+                 f"run.nodes={nodes}": f"--nodes {nodes}"}  # recipe fields the options set, for error messages
+        given = {"seed": seed, "train.epochs": epochs, "train.max_steps": max_steps}
+        flags |= {f"{key}={value}": f"--{key.split('.')[-1].replace('_', '-')} {value}"
+                  for key, value in given.items() if value is not None}
+        flags |= {"run.allow_unverified=true": "--allow-unverified"} if allow_unverified else {}
         path = recipe_file or recipes.recipe_path(model, scale)
-        resolved = recipes.load_file(path, [*cli_fields, *overrides])
+        resolved = recipes.load_file(path, [*flags, *overrides], flags)
         if resolved.workload != model:
             fail(f"{path}: workload: the recipe is for {resolved.workload!r}, not {model!r}")
-        options = runner.Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition, dry_run)
+        options = runner.Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition,
+                                dry_run, oversubscribe)
         outcome = runner.execute(resolved, tracking.tracking_uri(tracking_uri), experiment, options)
     except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, runner.LaunchError) as error:
         fail(str(error))
@@ -183,14 +203,19 @@ def settle(run_dirs: tuple[Path, ...], tracking_uri: str | None, stale_after: fl
 @click.option("--reports-only", is_flag=True, help="Write the reports from MLflow without running anything.")
 @click.option("--rows", help="Comma-separated framework rows to keep (default: all rows of the matrix).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field in every cell's recipe.")
+@click.option("--dry-run", is_flag=True,
+              help="Check every cell and print the plan (held, to run, cannot run here and why); run and write nothing.")
 def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports: Path, gpus_per_node: int | None,
-           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...]) -> None:
+           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...], dry_run: bool) -> None:
     """Re-run the paper's comparison matrix and write Table 2, figures and findings.
 
     \b
     Runs every cell (workload x framework x GPU count, configs/table2.yaml) that MLflow does not
     already hold for the same recipe fingerprint, so an interrupted matrix resumes and a second
     call only rebuilds reports/: table2_platforms.*, results.{md,csv,tex}, *.png, findings.md.
+    Every cell is checked first (recipe, data present and verified, devices or a launcher that
+    provides them); a cell that cannot run here gets one line with the reason and the fixing command,
+    and the reports carry that reason.
     """
     from repro import tracking
     from repro import table2 as matrix_module
@@ -203,10 +228,15 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
     except KeyError as error:
         fail(error.args[0])
     cells = matrix_module.expand(matrix, scale, list(overrides), gpus_per_node)
+    if dry_run:
+        todo, _ = matrix_module.plan(cells, uri, experiment, retry_failed)
+        for cell in todo:
+            click.echo(f"{cell.label:<28} to run")
+        return
     if not reports_only:
         counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed)
         click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
-                   f"{counts['skipped']} skipped", err=True)
+                   f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
     for path in write_reports(cells, uri, experiment, reports, scale):
         click.echo(str(path))
 
@@ -270,17 +300,18 @@ def prepare(name: str, root: Path | None) -> None:
 
 @data.command()
 @click.argument("name")
-@click.option("--deep", is_flag=True, help="Rehash every file, ignoring the (size, mtime) cache.")
+@click.option("--deep", is_flag=True,
+              help="Rehash every file, ignoring the cache of hashes (kept per size, mtime, ctime, inode and device).")
 def verify(name: str, deep: bool) -> None:
     """Check dataset NAME against its manifest; exit 1 naming the first bad file."""
     from repro.data import DataError
     from repro.data.sets import dataset
 
     try:
-        path, digest = dataset(name).verify(deep=deep)
+        verified = dataset(name).verify(deep=deep)
     except DataError as error:
         fail(str(error), 1)
-    click.echo(f"{name}: ok ({path}, sha256 {digest})")
+    click.echo(f"{name}: ok ({verified.root}, sha256 {verified.sha256}; {verified.check})")
 
 
 if __name__ == "__main__":

@@ -24,12 +24,13 @@ from typing import Callable, Iterator, Literal, TextIO
 import psutil
 import yaml
 
-from repro import checkpoint, delivery, doctor, events, launch, registry, slurm, tracking
-from repro.data import DataError
+from repro import checkpoint, delivery, doctor, events, hardware, launch, registry, slurm, tracking
+from repro.data import DataError, Verified
 from repro.data.sets import dataset
 from repro.delivery import RECIPE_FILE
 from repro.loop import RUN_FILE
-from repro.recipe import Recipe, differing_fields, resolve
+from repro.recipe import Recipe, batch_too_big, differing_fields, resolve
+from repro.schema import RecipeError
 from repro.settle import SLURM_JOB_KEY
 
 RUNS_DIR = Path("runs")
@@ -47,6 +48,7 @@ SAVED_GRACE_S = 5
 STOP_GRACE_S = 45  # after a stop signal, torchrun gives its workers 30 s to save before killing them
 SPEC_WAIT_S = 120  # how long a node other than the first waits for the run folder to appear
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+CPU_PROCESSES_PER_CORE = 2  # stand-in GPUs per core before a run must ask for --oversubscribe
 # torchrun's failure summary (ChildFailedError.format_msg, torch/distributed/elastic/multiprocessing/
 # errors/__init__.py) names the first failed rank under this heading, as "rank      : 1 (local_rank: 1)"
 # then "exitcode  : -9 (pid: ...)", and closes with a line of "="; the other ranks it stopped come before.
@@ -78,6 +80,7 @@ class Launch:
     time: str | None = None
     partition: str | None = None
     dry_run: bool = False
+    oversubscribe: bool = False  # more CPU processes than CPU_PROCESSES_PER_CORE x cores, on purpose
 
 
 @dataclass
@@ -88,23 +91,80 @@ class Outcome:
     status: str | None = None  # the MLflow run's end status, where this process recorded it
 
 
-def verify_data(recipe: Recipe) -> tuple[Path, str]:
-    """(data folder, dataset SHA-256); refuses to run on missing or mismatching data unless allowed."""
+def verify_data(recipe: Recipe) -> Verified:
+    """The verified data; refuses to run on missing or mismatching data unless allowed."""
     spec = dataset(recipe.data.dataset)
     try:
         return spec.verify()
-    except DataError:
+    except DataError as error:
         if not recipe.run.allow_unverified:
             raise
-        return spec.locate(), "unverified"
+        return Verified(spec.locate(), "unverified", f"none: --allow-unverified ({error})")
 
 
-def run_tags(recipe: Recipe, data_sha: str, run_dir: Path) -> dict[str, str]:
+def preflight(recipe: Recipe, options: Launch) -> Verified:
+    """The one validation pass after the recipe's own, before anything starts (and all --dry-run
+    does): the framework is installed, the launching options fit, the devices exist, the data
+    verifies and holds at least one global batch. Raises LaunchError, DataError or RecipeError."""
+    check_machine(recipe, options)
+    return check_data(recipe)
+
+
+def check_machine(recipe: Recipe, options: Launch) -> None:
+    """The framework is installed here, the launching options fit, the devices exist."""
+    registry.adapter_class(recipe.run.framework)  # unavailable frameworks fail before anything starts
+    check_launch(recipe, options)
+    check_devices(recipe, options)
+
+
+def check_data(recipe: Recipe) -> Verified:
+    """The data verifies (unless allowed not to) and holds at least one global batch."""
+    data = verify_data(recipe)
+    check_data_size(recipe, data.root)
+    return data
+
+
+def check_devices(recipe: Recipe, options: Launch) -> None:
+    """This node has the GPUs the run needs, or cores for the CPU processes standing in for them.
+
+    Explicit `run.device: cuda` and paper-scale recipes need one GPU per GPU of the run; a smoke run
+    on `auto` may share fewer GPUs. SLURM allocates the devices, so nothing is checked here for it."""
+    if options.launcher != "local":
+        return
+    run, gpus_here = recipe.run, hardware.gpu_count()
+    needed = run.gpus // run.nodes
+    strict = run.device == "cuda" or (run.device == "auto" and recipe.scale == "paper")
+    if strict and gpus_here < needed:
+        raise LaunchError(
+            f"run.gpus: needs {needed} GPU{'s' if needed > 1 else ''}{' per node' if run.nodes > 1 else ''}, this machine has {gpus_here}: "
+            "use --launcher slurm" + ("" if run.device == "cuda" else ", or --set run.device=cpu for CPU processes"))
+    if run.device == "cuda" or (run.device == "auto" and gpus_here):
+        return
+    processes = registry.adapter_class(run.framework).processes(recipe) // run.nodes
+    cores = hardware.cpu_cores()
+    if processes > CPU_PROCESSES_PER_CORE * cores and not options.oversubscribe:
+        raise LaunchError(
+            f"run.gpus: {processes} CPU processes stand in for GPUs here, but this machine has {cores} cores and no "
+            f"GPU (at most {CPU_PROCESSES_PER_CORE} x {cores} = {CPU_PROCESSES_PER_CORE * cores} processes): "
+            "use fewer --gpus, --launcher slurm, or --oversubscribe")
+
+
+def check_data_size(recipe: Recipe, data_dir: Path) -> None:
+    """The training split holds at least one global batch, so every epoch has a step."""
+    workload = registry.workload_class(recipe.workload)(recipe.model, recipe.data, data_dir)
+    samples = workload.train_samples()
+    batch = registry.adapter_class(recipe.run.framework).global_batch(recipe)
+    if batch > samples:
+        why = f"at most, in {recipe.data.dataset}"
+        raise RecipeError(str(data_dir), "train.batch_per_gpu", batch_too_big(recipe, batch, samples, why))
+
+
+def run_tags(recipe: Recipe, data: Verified, run_dir: Path) -> dict[str, str]:
     tags = {
         "model": recipe.workload, "framework": recipe.run.framework, "gpus": recipe.run.gpus,
         "nodes": recipe.run.nodes, "scale": recipe.scale, "seed": recipe.seed,
-        "recipe_sha256": recipe.fingerprint(), "data_sha256": data_sha, "git_sha": doctor.git_sha(),
-        "run_dir": run_dir,
+        "recipe_sha256": recipe.fingerprint(), "data_sha256": data.sha256, "data_check": data.check,
+        "git_sha": doctor.git_sha(), "run_dir": run_dir,
     }
     if recipe.run.allow_unverified:
         tags["unverified_data"] = "true"
@@ -263,18 +323,18 @@ def refuse_if_different(recipe: Recipe, run_dir: Path) -> None:
 
 
 def new_run(
-    recipe: Recipe, options: Launch, uri: str, experiment: str, data_dir: Path, data_sha: str,
+    recipe: Recipe, options: Launch, uri: str, experiment: str, data: Verified,
 ) -> tuple[Path, tracking.Run, dict]:
     """A new run folder and MLflow run; RUN_DIR/run.json tells every rank of every node the recipe and run id.
 
     A SLURM run waits in the queue first: it is created SCHEDULED, and its job's follower marks it RUNNING."""
     run_dir = new_run_dir(recipe, options.run_dir)
-    dataset_input = (recipe.data.dataset, data_sha, str(data_dir.resolve()))
+    dataset_input = (recipe.data.dataset, data.sha256, str(data.root.resolve()))
     status = "SCHEDULED" if options.launcher == "slurm" else "RUNNING"
-    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha, run_dir),
+    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data, run_dir),
                               run_params(recipe), dataset_input, status)
     spec = {
-        "recipe": recipe.to_dict(), "data_dir": str(data_dir.resolve()), "data_sha256": data_sha,
+        "recipe": recipe.to_dict(), "data_dir": str(data.root.resolve()), "data_sha256": data.sha256,
         "tracking_uri": uri, "mlflow_run_id": run.run_id,
     }
     (run_dir / RECIPE_FILE).write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
@@ -306,9 +366,8 @@ def execute(
     recipe: Recipe, uri: str, experiment: str, options: Launch = Launch(), echo: Callable[[str], None] = print,
     progress: bool = True,
 ) -> Outcome:
-    registry.adapter_class(recipe.run.framework)  # unavailable frameworks fail before anything starts
-    check_launch(recipe, options)
-    data_dir, data_sha = verify_data(recipe)
+    data = preflight(recipe, options)
+    data_dir = data.root
     if options.dry_run:
         placeholder = Path("RUN_DIR")
         if options.launcher == "slurm":
@@ -321,7 +380,7 @@ def execute(
     if options.resume:
         run_dir, run, spec = continue_run(recipe, options)
     else:
-        run_dir, run, spec = new_run(recipe, options, uri, experiment, data_dir, data_sha)
+        run_dir, run, spec = new_run(recipe, options, uri, experiment, data)
     if options.launcher == "slurm":
         return submit(slurm_job(recipe, options, run_dir, data_dir, spec["tracking_uri"]), run, spec, echo)
     command = command_for(recipe, options, run_dir)

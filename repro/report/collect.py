@@ -84,7 +84,7 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             continue
         run = newest.get(cell.recipe.fingerprint())
         if run is None:
-            results.append(Result(cell, "missing", error="no run in MLflow for this recipe"))
+            results.append(Result(cell, "missing", error=cell.skip or "no run in MLflow for this recipe"))
             continue
         key, _ = METRIC[cell.workload]
         run_id = run.info.run_id
