@@ -77,7 +77,8 @@ def main() -> None:
               help="Continue a stopped run from its last checkpoint, in the same MLflow run "
                    "(alone: the newest run folder of this recipe).")
 @click.option("--image", help="Apptainer image the SLURM job's workers run in (apptainer exec --nv IMAGE).")
-@click.option("--time", "time_limit", help="SLURM time limit, e.g. 04:00:00 (ranks save and stop 2 minutes before).")
+@click.option("--time", "time_limit",
+              help="SLURM time limit, e.g. 04:00:00 (ranks save and stop 2 minutes before; half a limit under 4 minutes).")
 @click.option("--partition", help="SLURM partition.")
 @click.option("--node-rank", type=int, default=0, show_default=True,
               help="Without SLURM, this machine's place in a job of --nodes N; only node 0 records the run.")

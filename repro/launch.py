@@ -4,10 +4,12 @@ Every job runs PyTorch's own launcher (torchrun), one per node. On one machine i
 a free local port; across nodes the launchers join a c10d rendezvous hosted at the first node. On
 SLURM, an sbatch script starts one srun task per node, each running torchrun (inside
 `apptainer exec --nv` when an image is given), under a follower that feeds the job's events to
-MLflow from the batch node.
+MLflow from the batch node. On a cluster without GPUs (no gpu GRES) the script asks for none and
+each node's torchrun starts CPU processes standing in for them.
 """
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -16,16 +18,21 @@ from pathlib import Path
 LOOP_MODULE = "repro.loop"
 RDZV_BASE_PORT = 20000
 RDZV_PORT_SPAN = 20000
-# torchrun forwards these to its workers before stopping them; by default SIGUSR1 would kill it
-# outright, leaving the workers no time to save (see repro.loop.STOP_SIGNALS).
+# torchrun forwards these to its workers before stopping them. Its default (--signals-to-handle,
+# torch/distributed/run.py) lacks SIGUSR1, which would kill it outright, leaving the workers no time
+# to save (see repro.loop.STOP_SIGNALS); it overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with that default.
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 OFFLINE_VARIABLES = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def torchrun_tail(run_dir: Path) -> list[str]:
-    """What every torchrun of a run shares: no restarts (a failed rank ends the job), each worker's
-    lines prefixed with its rank and kept per rank in RUN_DIR/ranks, and the loop as the program."""
-    return ["--max-restarts", "0", "--tee", "3", "--log-dir", str(run_dir / "ranks"), "-m", LOOP_MODULE, str(run_dir)]
+    """What every torchrun of a run shares: the stop signals it forwards, no restarts (a failed rank
+    ends the job), each worker's lines prefixed with its rank and kept per rank in RUN_DIR/ranks, and
+    the loop as the program."""
+    return [
+        "--signals-to-handle", TORCHRUN_SIGNALS, "--max-restarts", "0", "--tee", "3", "--log-dir",
+        str(run_dir / "ranks"), "-m", LOOP_MODULE, str(run_dir),
+    ]
 
 
 def torchrun_local(processes: int, run_dir: Path, python: str = sys.executable) -> list[str]:
@@ -82,11 +89,34 @@ def rendezvous_port(job_id: int) -> int:
     return RDZV_BASE_PORT + job_id % RDZV_PORT_SPAN
 
 
+STOP_WARNING_S = 120  # SIGUSR1 this long before the time limit: every rank saves and stops
+# sbatch --time: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S (Slurm's time_str2mins, src/common/parse_time.c)
+SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def time_limit_s(limit: str) -> int:
+    """Seconds in a Slurm time limit; ValueError naming the accepted forms when it is not one."""
+    found = SLURM_TIME.fullmatch(limit)
+    if not found:
+        raise ValueError(f"{limit!r} is not a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S)")
+    days, first, second, third = (int(part) if part else None for part in found.groups())
+    if days is not None:
+        return ((days * 24 + first) * 60 + (second or 0)) * 60 + (third or 0)
+    if third is not None:
+        return (first * 60 + second) * 60 + third
+    return first * 60 + (second or 0)
+
+
+def stop_warning_s(limit: str | None) -> int:
+    """How long before the time limit the ranks are told to stop: 2 minutes, half a limit under 4 minutes."""
+    return min(STOP_WARNING_S, time_limit_s(limit) // 2) if limit else STOP_WARNING_S
+
+
 @dataclass(frozen=True)
 class SlurmJob:
     name: str
     nodes: int
-    gpus_per_node: int
+    gpus_per_node: int  # 0 on a cluster without GPUs: no GPU directive, the processes run on CPUs
     processes_per_node: int
     run_dir: Path
     data_root: Path
@@ -95,39 +125,43 @@ class SlurmJob:
     image: str | None = None  # Apptainer image the workers run in
     time: str | None = None
     partition: str | None = None
-    stop_warning_s: int = 120  # SIGUSR1 this long before the time limit: every rank saves and stops
 
 
 def sbatch_script(job: SlurmJob) -> str:
     """The batch script of a multi-node job; compute nodes need no internet (data is pre-staged)."""
     run_dir = str(job.run_dir)
+    # without GPUs, each process of a node (a stand-in for a GPU) gets a core; srun of Slurm 22.05
+    # does not inherit --cpus-per-task from sbatch, so both ask
+    cpus = [] if job.gpus_per_node else [f"--cpus-per-task={job.processes_per_node}"]
+    resources = [f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else cpus
     directives = [
-        f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-        f"--gpus-per-node={job.gpus_per_node}", f"--output={run_dir}/slurm-%j.out",
-        f"--signal=USR1@{job.stop_warning_s}",
+        f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1", *resources,
+        f"--output={run_dir}/slurm-%j.out", f"--signal=USR1@{stop_warning_s(job.time)}",
     ]
     directives += [f"--time={job.time}"] * bool(job.time) + [f"--partition={job.partition}"] * bool(job.partition)
     container = []
     if job.image:
         container = ["apptainer", "exec", "--nv", "--bind", f"{run_dir},{job.data_root}", job.image]
     worker_python = "python" if job.image else job.python
-    torchrun = torchrun_node(job.nodes, job.processes_per_node, '"$head_node:$rdzv_port"', '"$SLURM_JOB_ID"',
+    torchrun = torchrun_node(job.nodes, job.processes_per_node, '"$head_addr:$rdzv_port"', '"$SLURM_JOB_ID"',
                              job.run_dir, worker_python)
-    srun = ["srun", f"--nodes={job.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    follower = [job.python, "-m", "repro.cli", "attach", run_dir, "--"]
+    srun = ["srun", f"--nodes={job.nodes}", "--ntasks-per-node=1", *cpus, "--kill-on-bad-exit=1"]
+    follower = ["exec", job.python, "-m", "repro.cli", "attach", run_dir, "--"]
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -euo pipefail", ""]
     lines += ["# compute nodes are offline: libraries must not try the network; data is pre-staged"]
     lines += [f"export {name}=1" for name in OFFLINE_VARIABLES]
     lines += [
         f"export REPRO_DATA={shlex.quote(str(job.data_root))}",
         f"export MLFLOW_TRACKING_URI={shlex.quote(job.tracking_uri)}",
-        f"export TORCHELASTIC_SIGNALS_TO_HANDLE={TORCHRUN_SIGNALS}",
         "",
-        "# the c10d rendezvous is hosted by the first node, on a port derived from the job id",
+        "# the c10d rendezvous is hosted by the first node, at its address as Slurm knows it (node names",
+        "# need not resolve), on a port derived from the job id",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        'head_addr=$(sinfo --noheader --Node --nodes="$head_node" --format=%o | head -n1)',
         f"rdzv_port=$(({RDZV_BASE_PORT} + SLURM_JOB_ID % {RDZV_PORT_SPAN}))",
         "",
-        "# the follower starts the job steps and records the run in MLflow (only it logs)",
+        "# the follower (in the batch step's place, so a cancelled job leaves it time to record the end)",
+        "# starts the job steps and records the run in MLflow (only it logs)",
         " \\\n    ".join(" ".join(map(quote_unless_expanded, part)) for part in (follower, srun, container, torchrun) if part),
         "",
     ]

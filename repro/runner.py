@@ -6,12 +6,12 @@ the run folder, and the MLflow run ends FAILED with the last lines of that outpu
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,29 +24,40 @@ from typing import Callable, Iterator, Literal, TextIO
 import psutil
 import yaml
 
-from repro import checkpoint, delivery, doctor, events, hardware, launch, registry, tracking
+from repro import checkpoint, delivery, doctor, events, hardware, launch, registry, slurm, tracking
 from repro.data import DataError, Verified
 from repro.data.sets import dataset
 from repro.delivery import RECIPE_FILE
 from repro.loop import RUN_FILE
 from repro.recipe import Recipe, batch_too_big, differing_fields, resolve
 from repro.schema import RecipeError
+from repro.settle import SLURM_JOB_KEY
 
 RUNS_DIR = Path("runs")
 OUTPUT_FILE = "output.log"
 JOB_SCRIPT = "job.sbatch"
 TAIL_LINES = 80
+ERROR_CHARS = 4800  # what of a failure's message fits in the repro.error tag (MLflow keeps 5000)
 HEARTBEAT_S = 5  # how often the follower says it is alive (RUN_DIR/heartbeat.json)
 # After the job: how long the follower keeps trying to deliver the rest before leaving it to `repro sync`
 DELIVERY_BUDGET_S = float(os.environ.get("REPRO_DELIVERY_BUDGET_S", 60))
+# After the ranks' `interrupted` event (all have saved): how long the job may take to end by itself. On
+# scancel, srun waits for Slurm's KillWait (30 s by default) and the follower, in the batch step, is
+# killed with it; it must record the end before.
+SAVED_GRACE_S = 5
 STOP_GRACE_S = 45  # after a stop signal, torchrun gives its workers 30 s to save before killing them
 SPEC_WAIT_S = 120  # how long a node other than the first waits for the run folder to appear
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 CPU_PROCESSES_PER_CORE = 2  # stand-in GPUs per core before a run must ask for --oversubscribe
-# torchrun's failure summary names the first failed rank under this heading, as
-# "rank      : 1 (local_rank: 1)" then "exitcode  : -9 (pid: ...)"; the other ranks it stopped come before
+# torchrun's failure summary (ChildFailedError.format_msg, torch/distributed/elastic/multiprocessing/
+# errors/__init__.py) names the first failed rank under this heading, as "rank      : 1 (local_rank: 1)"
+# then "exitcode  : -9 (pid: ...)", and closes with a line of "="; the other ranks it stopped come before.
+# In a job of several nodes each node's torchrun prints one: the first printed is the failure's node.
 ROOT_CAUSE_HEADING = "Root Cause (first observed failure)"
 ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+SUMMARY_END = re.compile(r"^=+$", re.MULTILINE)
+# C++ stack frames that c10d appends to an error ("frame #3: c10d::... + 0x1f"): noise in repro.error
+STACK_FRAME = re.compile(r"^.*frame #\d+: .*\n?", re.MULTILINE)
 
 
 class LaunchError(registry.Unavailable):
@@ -175,19 +186,17 @@ def run_params(recipe: Recipe) -> dict[str, str]:
 
 
 class OutputPump(threading.Thread):
-    """Copies the job's output to the terminal and the run folder, keeping the last lines."""
+    """Copies the job's output to the terminal and the run folder."""
 
     def __init__(self, stream: TextIO, log: Path, echo: Callable[[str], None]):
         super().__init__(daemon=True)
         self.stream, self.log, self.echo = stream, log, echo
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def run(self) -> None:
         with open(self.log, "a") as log:
             for line in self.stream:
                 log.write(line)
                 log.flush()
-                self.tail.append(line)
                 self.echo(line.rstrip("\n"))
 
 
@@ -239,6 +248,14 @@ def check_launch(recipe: Recipe, options: Launch) -> None:
     if options.launcher == "slurm":
         if options.node_rank or options.rdzv_endpoint:
             raise LaunchError("--launcher slurm starts every node itself; drop --node-rank and --rdzv-endpoint")
+        if options.time:
+            try:
+                launch.time_limit_s(options.time)
+            except ValueError as error:
+                raise LaunchError(f"--time: {error}") from None
+        if not options.dry_run and shutil.which("sbatch") is None:
+            raise LaunchError("--launcher slurm: no sbatch on PATH; submit from a node of the cluster "
+                              "(or load its Slurm module), or preview the script with --dry-run")
         return
     if nodes > 1 and not (options.rdzv_endpoint and options.run_dir):
         raise LaunchError(
@@ -257,11 +274,22 @@ def command_for(recipe: Recipe, options: Launch, run_dir: Path) -> list[str]:
 def slurm_job(recipe: Recipe, options: Launch, run_dir: Path, data_dir: Path, uri: str) -> launch.SlurmJob:
     processes = registry.adapter_class(recipe.run.framework).processes(recipe)
     nodes = recipe.run.nodes
+    gpus_per_node = recipe.run.gpus // nodes if cluster_has_gpus(options.partition, options.dry_run) else 0
     return launch.SlurmJob(
-        name=recipe.run_name(), nodes=nodes, gpus_per_node=recipe.run.gpus // nodes,
+        name=recipe.run_name(), nodes=nodes, gpus_per_node=gpus_per_node,
         processes_per_node=processes // nodes, run_dir=run_dir, data_root=data_dir.parent, tracking_uri=uri,
         python=sys.executable, image=options.image, time=options.time, partition=options.partition,
     )
+
+
+def cluster_has_gpus(partition: str | None, dry_run: bool) -> bool:
+    """Whether the job's nodes have GPUs; a --dry-run away from a cluster shows the GPU form."""
+    try:
+        return slurm.partition_has_gpus(partition)
+    except slurm.SlurmUnreachable as error:
+        if dry_run:
+            return True
+        raise LaunchError(f"--launcher slurm: {error}") from None
 
 
 def read_spec(run_dir: Path) -> dict:
@@ -297,11 +325,14 @@ def refuse_if_different(recipe: Recipe, run_dir: Path) -> None:
 def new_run(
     recipe: Recipe, options: Launch, uri: str, experiment: str, data: Verified,
 ) -> tuple[Path, tracking.Run, dict]:
-    """A new run folder and MLflow run; RUN_DIR/run.json tells every rank of every node the recipe and run id."""
+    """A new run folder and MLflow run; RUN_DIR/run.json tells every rank of every node the recipe and run id.
+
+    A SLURM run waits in the queue first: it is created SCHEDULED, and its job's follower marks it RUNNING."""
     run_dir = new_run_dir(recipe, options.run_dir)
     dataset_input = (recipe.data.dataset, data.sha256, str(data.root.resolve()))
+    status = "SCHEDULED" if options.launcher == "slurm" else "RUNNING"
     run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data, run_dir),
-                              run_params(recipe), dataset_input)
+                              run_params(recipe), dataset_input, status)
     spec = {
         "recipe": recipe.to_dict(), "data_dir": str(data.root.resolve()), "data_sha256": data.sha256,
         "tracking_uri": uri, "mlflow_run_id": run.run_id,
@@ -314,12 +345,18 @@ def new_run(
     return run_dir, run, spec
 
 
-def continue_run(recipe: Recipe, wanted: str) -> tuple[Path, tracking.Run, dict]:
-    """A stopped run's folder and its MLflow run, running again and tagged as resumed."""
-    run_dir = find_resumable(recipe, wanted)
+# what a run's end records about that end; a resumed run starts without them
+END_TAGS = ("repro.error", "repro.interrupted", "repro.failed_rank", "repro.settled")
+
+
+def continue_run(recipe: Recipe, options: Launch) -> tuple[Path, tracking.Run, dict]:
+    """A stopped run's folder and its MLflow run, running again (waiting, for SLURM) and tagged as resumed."""
+    run_dir = find_resumable(recipe, options.resume)
     refuse_if_different(recipe, run_dir)
     spec = read_spec(run_dir)
-    run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"])
+    run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"],
+                              "SCHEDULED" if options.launcher == "slurm" else "RUNNING")
+    run.delete_tags(END_TAGS)
     run.set_tag("repro.resumed", "true")
     run.set_tag("repro.resumed_from_step", str(checkpoint.latest(run_dir)[1].step))
     return run_dir, run, spec
@@ -341,27 +378,37 @@ def execute(
     if options.node_rank:
         return join(recipe, options, echo)
     if options.resume:
-        run_dir, run, spec = continue_run(recipe, options.resume)
+        run_dir, run, spec = continue_run(recipe, options)
     else:
         run_dir, run, spec = new_run(recipe, options, uri, experiment, data)
     if options.launcher == "slurm":
-        return submit(slurm_job(recipe, options, run_dir, data_dir, spec["tracking_uri"]), run, echo)
+        return submit(slurm_job(recipe, options, run_dir, data_dir, spec["tracking_uri"]), run, spec, echo)
     command = command_for(recipe, options, run_dir)
     returncode, status = follow(command, run_dir, echo, Progress(sys.stderr) if progress else None)
     return Outcome(returncode, run.run_id, run_dir, status)
 
 
-def submit(job: launch.SlurmJob, run: tracking.Run, echo: Callable[[str], None]) -> Outcome:
-    """Write the batch script into the run folder and hand it to sbatch; the job's follower logs the run."""
+def submit(job: launch.SlurmJob, run: tracking.Run, spec: dict, echo: Callable[[str], None]) -> Outcome:
+    """Write the batch script into the run folder and hand it to sbatch; the job's follower logs the run.
+
+    Every job of the run (the first and each resume) is kept, in order, in RUN_DIR/run.json
+    ("slurm_job_ids") and the tag repro.slurm_job_ids; "slurm_job_id" and repro.slurm_job_id name the
+    latest. Until the follower starts, the run stays SCHEDULED; `repro settle` ends it if the job goes
+    without starting."""
     script = job.run_dir / JOB_SCRIPT
     script.write_text(launch.sbatch_script(job))
     run.log_artifact(script)
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if submitted.returncode:
-        run.end("FAILED", f"sbatch failed: {submitted.stderr.strip()}")
+        delivery.Outcome("FAILED", f"sbatch failed: {submitted.stderr.strip()}").save(job.run_dir)
+        delivery.Delivery(job.run_dir).deliver()
         raise LaunchError(f"sbatch {script} failed: {submitted.stderr.strip()}")
-    job_id = submitted.stdout.strip().split(";")[0]
+    job_id = submitted.stdout.strip().split(";")[0]  # --parsable: "JOBID" or "JOBID;CLUSTER"
+    spec[SLURM_JOB_KEY] = job_id  # the job `repro settle` asks Slurm about
+    spec["slurm_job_ids"] = [*spec.get("slurm_job_ids", []), job_id]
+    checkpoint.atomic_write_text(job.run_dir / RUN_FILE, json.dumps(spec, indent=2))
     run.set_tag("repro.slurm_job_id", job_id)
+    run.set_tag("repro.slurm_job_ids", ",".join(spec["slurm_job_ids"]))
     echo(f"submitted SLURM job {job_id}; output in {job.run_dir}/slurm-{job_id}.out")
     return Outcome(0, run.run_id, job.run_dir)
 
@@ -397,11 +444,11 @@ class Job:
     """
 
     def __init__(self, command: list[str], output: Path, echo: Callable[[str], None]):
-        env = {**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": launch.TORCHRUN_SIGNALS}
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop the job in order
         )
+        self.output = output
         self.pump = OutputPump(self.process.stdout, output, echo)
         self.pump.start()
         self.tree = psutil.Process(self.process.pid)
@@ -446,17 +493,22 @@ class Job:
             self.process.wait(timeout=10)
 
     def failure(self) -> tuple[str, str | None]:
-        """(message, failing global rank) from the launcher's failure summary and the ranks' last lines."""
-        tail = "".join(self.pump.tail)
-        cause = ROOT_CAUSE.search(tail, tail.rfind(ROOT_CAUSE_HEADING) + 1)
+        """(message, failing global rank): the first failure summary of the job's output, then its last lines.
+
+        The message leads with the failed rank and fits the repro.error tag; C++ stack frames are left out."""
+        output = STACK_FRAME.sub("", self.output.read_text(errors="replace"))
+        tail = "".join(output.splitlines(keepends=True)[-TAIL_LINES:])
+        heading = output.find(ROOT_CAUSE_HEADING)
+        cause = ROOT_CAUSE.search(output, heading) if heading >= 0 else None
         if not cause:
-            return f"exit code {self.returncode}; last output:\n{tail}", None
-        rank, local_rank, code = cause.groups()
-        own = "".join(line for line in self.pump.tail if line.startswith(f"[default{local_rank}]:"))
-        return (
-            f"rank {rank} (local rank {local_rank}) failed with exit code {code}; its last lines:\n{own}\n"
-            f"last output of the job:\n{tail}", rank,
-        )
+            head, rank = f"exit code {self.returncode}", None
+        else:
+            rank, local_rank, code = cause.groups()
+            end = SUMMARY_END.search(output, cause.end())
+            summary = output[heading:end.start() if end else cause.end()].rstrip()
+            head = f"rank {rank} (local rank {local_rank}) failed with exit code {code}\n{summary}"
+        room = max(ERROR_CHARS - len(head), 0)
+        return f"{head}\nlast output of the job:\n{tail[-room:] if room else ''}", rank
 
 
 def follow(command: list[str], run_dir: Path, echo: Callable[[str], None], progress: Progress | None) -> tuple[int, str]:
@@ -485,9 +537,12 @@ def follow(command: list[str], run_dir: Path, echo: Callable[[str], None], progr
                 finished = job.finished()
                 for event in reader.new():
                     shown(event)
-                    interrupted = event if event["event"] == events.INTERRUPTED else interrupted
+                    if event["event"] == events.INTERRUPTED:
+                        interrupted, saved_at = event, time.monotonic()
                 if finished:
                     break
+                if interrupted and time.monotonic() - saved_at > SAVED_GRACE_S:
+                    job.kill_leftovers()  # every rank has saved; what lingers would hold the follower past KillWait
                 if time.monotonic() - last_beat > HEARTBEAT_S:
                     delivery.beat(run_dir)
                     last_beat = time.monotonic()
@@ -503,8 +558,9 @@ def follow(command: list[str], run_dir: Path, echo: Callable[[str], None], progr
 def ending(job: Job, interrupted: dict | None, run_dir: Path) -> delivery.Outcome:
     if job.returncode == 0:
         return delivery.Outcome("FINISHED")
-    if interrupted or job.stop_signal:
-        outcome = delivery.Outcome("KILLED", f"stopped by {(job.stop_signal or signal.SIGTERM).name}")
+    if interrupted or job.stop_signal:  # under SLURM the signal reaches the ranks, not the follower
+        stopped_by = job.stop_signal.name if job.stop_signal else interrupted["signal"]
+        outcome = delivery.Outcome("KILLED", f"stopped by {stopped_by}")
         if interrupted:
             outcome.tags["repro.interrupted"] = (f"{interrupted['signal']} at step {interrupted['step']}; "
                                                  f"continue with: repro run ... --resume {run_dir}")

@@ -1,4 +1,4 @@
-"""What Slurm says about a job, asked of `squeue` (the only module that does)."""
+"""What Slurm says about a job or a partition, asked of `squeue` and `sinfo` (the only module that does)."""
 from __future__ import annotations
 
 import subprocess
@@ -37,3 +37,22 @@ def job_state(job_id: str) -> str | None:
     if UNKNOWN_JOB in answer.stderr:
         return None
     raise SlurmUnreachable(f"{' '.join(command)} failed: {answer.stderr.strip()}")
+
+
+def partition_has_gpus(partition: str | None) -> bool:
+    """Whether the nodes of `partition` (else of the default one, marked "*") declare gpu GRES.
+
+    `sinfo --format="%P %G"` prints one line per partition and GRES set, e.g. "debug* gpu:4" or
+    "cpu (null)" (src/sinfo/print.c). Raises SlurmUnreachable when sinfo is absent or fails."""
+    command = ["sinfo", "--noheader", "--format=%P %G"]
+    try:
+        answer = subprocess.run(command, capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
+    except FileNotFoundError:
+        raise SlurmUnreachable("sinfo not found: cannot ask Slurm whether its nodes have GPUs")
+    except subprocess.TimeoutExpired:
+        raise SlurmUnreachable(f"{' '.join(command)}: no answer within {SQUEUE_TIMEOUT_S} s")
+    if answer.returncode:
+        raise SlurmUnreachable(f"{' '.join(command)} failed: {answer.stderr.strip()}")
+    lines = [line.split(maxsplit=1) for line in answer.stdout.splitlines() if line.strip()]
+    wanted = [gres for name, gres in lines if (name.rstrip("*") == partition if partition else name.endswith("*"))]
+    return any(item.startswith("gpu") for gres in wanted for item in gres.split(","))

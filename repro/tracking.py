@@ -136,10 +136,11 @@ class Run:
     @classmethod
     def create(
         cls, uri: str, experiment: str, name: str, tags: dict[str, str], params: dict[str, str],
-        dataset: tuple[str, str, str] | None = None,
+        dataset: tuple[str, str, str] | None = None, status: str = "RUNNING",
     ) -> "Run":
         """A new run with its tags and params and, as an MLflow dataset input (the UI's Dataset column),
-        `dataset`: (name, digest, source); the full digest is also a tag of the caller's."""
+        `dataset`: (name, digest, source); the full digest is also a tag of the caller's. SCHEDULED
+        (MLflow's "waits") for a job that is queued, not yet running."""
         from mlflow.entities import Dataset, DatasetInput, InputTag, Param, RunTag
 
         mlflow_client = client(uri)
@@ -152,6 +153,8 @@ class Run:
             name, digest, source = dataset
             context = InputTag("mlflow.data.context", "training")
             mlflow_client.log_inputs(run_id, [DatasetInput(Dataset(name, digest[:DIGEST_CHARS], "local", source), [context])])
+        if status != "RUNNING":
+            mlflow_client.update_run(run_id, status=status)
         return cls(mlflow_client, run_id)
 
     @classmethod
@@ -159,10 +162,10 @@ class Run:
         return cls(client(uri), run_id)
 
     @classmethod
-    def reopen(cls, uri: str, run_id: str) -> "Run":
-        """An existing run, marked running again (a resumed job continues it)."""
+    def reopen(cls, uri: str, run_id: str, status: str = "RUNNING") -> "Run":
+        """An existing run, marked running again (a resumed job continues it), or SCHEDULED (its job is queued)."""
         run = cls.connect(uri, run_id)
-        run.mark_running()
+        run.client.update_run(run_id, status=status)
         return run
 
     def mark_running(self) -> None:
@@ -185,6 +188,12 @@ class Run:
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
+
+    def delete_tags(self, keys: tuple[str, ...]) -> None:
+        """Remove those of `keys` the run has (MLflow refuses to delete a tag that is not there)."""
+        present = self.client.get_run(self.run_id).data.tags
+        for key in set(keys) & set(present):
+            self.client.delete_tag(self.run_id, key)
 
     def log_artifact(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))

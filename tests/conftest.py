@@ -127,19 +127,31 @@ def mlflow_runs(uri: str, experiment: str = "repro") -> list:
 
 
 def running_runs(uri: str) -> list[str]:
-    """Ids of the RUNNING runs of every experiment of the store `uri` (a sqlite file that was never made has none)."""
+    """Ids of the unsettled (RUNNING or SCHEDULED) runs of every experiment of the store `uri` (a sqlite file that was never made has none)."""
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         return []
     client = MlflowClient(tracking_uri=uri)
     ids = [e.experiment_id for e in client.search_experiments()]
-    return [r.info.run_id for r in client.search_runs(ids, "attributes.status = 'RUNNING'")] if ids else []
+    return [r.info.run_id for r in client.search_runs(ids, "attributes.status IN ('RUNNING', 'SCHEDULED')")] if ids else []
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the session when a test left a RUNNING run behind (a run nobody will ever end)."""
+    """Fail the session when a test left a RUNNING or SCHEDULED run behind (a run nobody will ever end)."""
     left = {uri: ids for uri in sorted(STORES) if (ids := running_runs(uri))}
     if left:
-        print(f"\nRUNNING runs left behind: {left}")
+        print(f"\nunsettled runs left behind: {left}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="module", params=["cpu"])
+def slurm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A real Slurm cluster of two nodes on this host (tests/slurm_cluster.py), for one test module.
+
+    Parametrize indirectly with "gpu" for nodes that declare fake GPU GRES."""
+    from slurm_cluster import Cluster
+
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"), gpus=request.param == "gpu").start()
+    yield cluster
+    cluster.stop()

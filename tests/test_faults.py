@@ -1,5 +1,5 @@
 """Fault handling: a rank that dies ends the whole job within 60 s, leaves no process behind, fails the
-MLflow run naming the rank, and keeps the last good checkpoint; Ctrl-C ends the run as KILLED."""
+MLflow run naming the rank, and keeps the last good checkpoint; Ctrl-C or SIGUSR1 saves and ends the run KILLED."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import mlflow_runs, wait_for_event
+from conftest import mlflow_runs, read_events, wait_for_event
 
 # 64 steps an epoch: the second epoch is long enough to be interrupted in its middle
 RUN = ("run", "gpt2", "--gpus", "2", "--epochs", "2", "--set", "data.max_val_samples=32", "--run-dir", "runs/job")
@@ -55,12 +55,21 @@ def test_a_rank_killed_mid_epoch_fails_the_run_within_60_s(repro):
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_the_run_as_killed(repro):
+@pytest.mark.parametrize("signum, ranks_got", [(signal.SIGINT, "SIGTERM"), (signal.SIGUSR1, "SIGUSR1")])
+def test_a_stop_signal_saves_mid_epoch_and_ends_the_run_killed(repro, signum, ranks_got):
+    """Ctrl-C (forwarded to torchrun as SIGTERM) and SIGUSR1 (SLURM's warning before the time limit, or
+    `kill -USR1`; torchrun's own --signals-to-handle default lacks it, the kit passes it) reach the
+    ranks, which save where they are and stop."""
     job = repro.start(*RUN)
     processes = interrupt_mid_second_epoch(repro, job)
-    job.send_signal(signal.SIGINT)
+    job.send_signal(signum)
     assert job.wait(timeout=60) != 0
     assert_nothing_left(processes)
     (run,) = mlflow_runs(repro.tracking_uri)
-    assert run.info.status == "KILLED"
-    assert run.data.tags["repro.error"] == "stopped by SIGINT"
+    assert run.info.status == "KILLED" and run.data.tags["repro.error"] == f"stopped by {signum.name}"
+    run_dir = repro.cwd / "runs" / "job"
+    (interrupted,) = [e for e in read_events(run_dir) if e["event"] == "interrupted"]
+    assert interrupted["signal"] == ranks_got and STEPS_PER_EPOCH < interrupted["step"] < 2 * STEPS_PER_EPOCH
+    assert run.data.tags["repro.interrupted"].startswith(f"{ranks_got} at step {interrupted['step']}")
+    pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert pointer["position"]["step"] == interrupted["step"]
