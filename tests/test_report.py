@@ -163,7 +163,7 @@ def test_findings_say_what_this_machine_cannot_show(report: Path) -> None:
 def test_results_table_and_legends_say_how_runs_differ(report: Path) -> None:
     table = rows(report)
     assert table[("zero", 2)]["differs_in"] == "optimizer adam, lr 0.001"
-    assert table[("torchgpipe", 2)]["differs_in"] == "global_batch 64"  # 8 x 4 micro-batches x 2 GPUs
+    assert table[("torchgpipe", 2)]["differs_in"] == "global_batch 64, micro_batches 8"  # 8 x 4 micro-batches x 2 GPUs
     assert table[("ddp", 2)]["differs_in"] == ""
 
 

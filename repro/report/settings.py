@@ -4,7 +4,7 @@ A comparison of two frameworks means something only where they train alike; wher
 (the smoke recipes give DDP LAMB at lr 0.01 and ZeRO Adam at lr 0.001), every place of the report
 that compares them says how they differ. The settings are read from MLflow's `effective.*` params
 (what the framework really trains with, the same names for every framework); a run recorded
-before those params existed falls back to its recipe.
+before those params existed falls back to its recipe (through the same `Adapter.effective`).
 """
 from __future__ import annotations
 
@@ -29,14 +29,11 @@ def from_params(params: dict[str, str], recipe: Recipe | None) -> dict[str, str]
 
 
 def from_recipe(recipe: Recipe) -> dict[str, str]:
+    """The settings a recipe trains with, as its framework's adapter derives them (`Adapter.effective`)."""
     from repro import registry
 
-    optimizer = recipe.optimizer()
     adapter = registry.load(registry.framework(recipe.run.framework).adapter)
-    values: dict[str, Any] = {
-        "optimizer": optimizer.name, "lr": optimizer.lr, "weight_decay": optimizer.weight_decay,
-        "global_batch": adapter.global_batch(recipe), "precision": recipe.train.precision,
-    }
+    values: dict[str, Any] = {**adapter.effective(recipe), "precision": recipe.train.precision}
     return {key: str(value) for key, value in values.items()}
 
 
