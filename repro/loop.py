@@ -123,6 +123,7 @@ class Trainer:
         self.reporting = rank == self.adapter.reporting_rank
         self.writer = events.EventWriter(run_dir / events.EVENTS_FILE) if self.reporting else None
         self.stop_signal: signal.Signals | None = None
+        self.no_checkpoint = type(self.adapter).no_checkpoint_because(recipe.run.framework)
         for signum in STOP_SIGNALS:
             signal.signal(signum, self.on_signal)
 
@@ -197,7 +198,8 @@ class Trainer:
                     if self.stop_requested():
                         at.epoch_s += timer.seconds_so_far()
                         self.save(at)
-                        self.emit(events.INTERRUPTED, signal=self.stop_signal.name, step=at.step, epoch=epoch)
+                        self.emit(events.INTERRUPTED, signal=self.stop_signal.name, step=at.step, epoch=epoch,
+                                  no_checkpoint=self.no_checkpoint)
                         return 128 + self.stop_signal
                 self.adapter.end_epoch()
             at.epoch_s += timer.seconds
@@ -234,7 +236,12 @@ class Trainer:
             dist.barrier()
 
     def save(self, at: checkpoint.Position) -> None:
-        """Every rank writes its part; rank 0 makes the checkpoint current once all have finished."""
+        """Every rank writes its part; rank 0 makes the checkpoint current once all have finished.
+        An adapter that can make no checkpoint says so once, on a stop signal's save."""
+        if self.no_checkpoint:
+            if self.stop_signal and self.reporting:
+                print(f"repro: stopped at step {at.step} without a checkpoint: {self.no_checkpoint}", file=sys.stderr)
+            return
         folder = checkpoint.folder_for(self.run_dir, at.step)
         folder.mkdir(parents=True, exist_ok=True)
         self.adapter.save_checkpoint(folder)
