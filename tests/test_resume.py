@@ -127,7 +127,8 @@ def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, refe
         return
     references.start(framework)
     stopped = repro.start(*args, "--run-dir", f"stopped/{framework}/run", log=f"stopped-{framework}.txt")
-    run_dir, first_epoch = wait_for_event(repro.cwd / "stopped" / framework, "epoch", stopped, epoch=0)
+    # a loaded machine (several helpers' tests on 2 cores) takes minutes to start a run
+    run_dir, first_epoch = wait_for_event(repro.cwd / "stopped" / framework, "epoch", stopped, timeout=900, epoch=0)
     stopped.send_signal(signal.SIGTERM)  # the second epoch has started: the stop lands inside it
     assert stopped.wait(timeout=120) != 0
     (interrupted,) = [e for e in read_events(run_dir) if e["event"] == "interrupted"]
