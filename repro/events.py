@@ -19,7 +19,7 @@ EPOCH = "epoch"
 MEMORY = "memory"
 END = "end"
 CHECKPOINT = "checkpoint"  # a complete checkpoint was made current
-INTERRUPTED = "interrupted"  # a stop signal: every rank saved and stopped; the run can be resumed
+INTERRUPTED = "interrupted"  # a stop signal: every rank saved and stopped (no_checkpoint: why it could not save)
 RESUME = "resume"  # training continues from a checkpoint
 
 # metric keys, as they appear in MLflow

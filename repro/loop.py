@@ -145,6 +145,7 @@ class Trainer:
         self.vote_group = None  # gloo: the vote never touches a GPU
         if dist.is_initialized() and self.device.type == "cuda":
             self.vote_group = dist.new_group(backend="gloo")
+        self.no_checkpoint = type(self.adapter).no_checkpoint_because(recipe.run.framework)
         for signum in STOP_SIGNALS:
             signal.signal(signum, self.on_signal)
 
@@ -266,7 +267,8 @@ class Trainer:
         self.phase = "epoch"
         self.log_losses()
         self.save(at)
-        self.emit(events.INTERRUPTED, signal=self.stop_signal.name, step=at.step, epoch=epoch)
+        self.emit(events.INTERRUPTED, signal=self.stop_signal.name, step=at.step, epoch=epoch,
+                  no_checkpoint=self.no_checkpoint)
         return 128 + self.stop_signal
 
     def done(self, at: checkpoint.Position) -> bool:
@@ -307,7 +309,12 @@ class Trainer:
             dist.barrier()
 
     def save(self, at: checkpoint.Position) -> None:
-        """Every rank writes its part; rank 0 makes the checkpoint current once all have finished."""
+        """Every rank writes its part; rank 0 makes the checkpoint current once all have finished.
+        An adapter that can make no checkpoint says so once, on a stop signal's save."""
+        if self.no_checkpoint:
+            if self.stop_signal and self.reporting:
+                print(f"repro: stopped at step {at.step} without a checkpoint: {self.no_checkpoint}", file=sys.stderr)
+            return
         folder = checkpoint.folder_for(self.run_dir, at.step)
         folder.mkdir(parents=True, exist_ok=True)
         self.adapter.save_checkpoint(folder)

@@ -86,7 +86,7 @@ class Launch:
 @dataclass
 class Outcome:
     returncode: int
-    run_id: str | None
+    run_id: str | None  # None: nothing ran (a dry run, or --resume of a complete run)
     run_dir: Path
     status: str | None = None  # the MLflow run's end status, where this process recorded it
 
@@ -298,6 +298,10 @@ def read_spec(run_dir: Path) -> dict:
 
 def find_resumable(recipe: Recipe, wanted: str) -> Path:
     """The run folder to continue: the one named, or the newest of this recipe's run name."""
+    framework = recipe.run.framework
+    refusal = registry.adapter_class(framework).no_checkpoint_because(framework)
+    if refusal:
+        raise LaunchError(f"--resume: {refusal}")
     if wanted != "latest":
         run_dir = Path(wanted)
     else:
@@ -312,11 +316,17 @@ def find_resumable(recipe: Recipe, wanted: str) -> Path:
     return run_dir.resolve()
 
 
-def refuse_if_different(recipe: Recipe, run_dir: Path) -> None:
-    """A run is only continued, or joined, with the recipe it was started with."""
+def recorded_recipe(run_dir: Path) -> Recipe:
     spec = read_spec(run_dir)
-    recorded = resolve(spec["recipe"], spec["recipe"]["source"])
-    fields = differing_fields(recorded, recipe)
+    return resolve(spec["recipe"], spec["recipe"]["source"])
+
+
+def refuse_if_different(recipe: Recipe, run_dir: Path, extendable: tuple[str, ...] = ()) -> None:
+    """A run is only continued, or joined, with the recipe it was started with (`extendable` fields
+    may grow: more epochs)."""
+    recorded = recorded_recipe(run_dir)
+    fields = [f for f in differing_fields(recorded, recipe)
+              if not (f in extendable and recipe.flat()[f] > recorded.flat()[f])]
     if fields:
         shown = ", ".join(f"{f} ({recorded.flat().get(f)} -> {recipe.flat().get(f)})" for f in fields)
         raise LaunchError(f"{run_dir}: the recipe differs from the run's in {shown}; the run needs the same recipe")
@@ -349,17 +359,41 @@ def new_run(
 END_TAGS = ("repro.error", "repro.interrupted", "repro.failed_rank", "repro.settled")
 
 
-def continue_run(recipe: Recipe, options: Launch) -> tuple[Path, tracking.Run, dict]:
-    """A stopped run's folder and its MLflow run, running again (waiting, for SLURM) and tagged as resumed."""
+def complete(recipe: Recipe, position: checkpoint.Position) -> bool:
+    """Whether training under `recipe` has nothing left to do from `position`."""
+    max_steps = recipe.train.max_steps
+    return position.epoch >= recipe.train.epochs or bool(max_steps and position.step >= max_steps)
+
+
+def continue_run(recipe: Recipe, options: Launch) -> tuple[Path, tracking.Run | None, dict]:
+    """A stopped run's folder and its MLflow run, running again (waiting, for SLURM) and tagged as
+    resumed; a finished run asked for more epochs is extended (its recipe rewritten, the extension
+    tagged). A run already complete under `recipe` comes back with no MLflow run: there is nothing to
+    do, and it stays untouched."""
     run_dir = find_resumable(recipe, options.resume)
-    refuse_if_different(recipe, run_dir)
-    spec = read_spec(run_dir)
+    refuse_if_different(recipe, run_dir, extendable=("train.epochs",))
+    spec, recorded, position = read_spec(run_dir), recorded_recipe(run_dir), checkpoint.latest(run_dir)[1]
+    if complete(recipe, position):
+        return run_dir, None, spec
     run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"],
                               "SCHEDULED" if options.launcher == "slurm" else "RUNNING")
     run.delete_tags(END_TAGS)
+    if recipe.train.epochs != recorded.train.epochs:
+        extend(run_dir, spec, run, recipe, recorded.train.epochs, position)
     run.set_tag("repro.resumed", "true")
-    run.set_tag("repro.resumed_from_step", str(checkpoint.latest(run_dir)[1].step))
+    run.set_tag("repro.resumed_from_step", str(position.step))
     return run_dir, run, spec
+
+
+def extend(run_dir: Path, spec: dict, run: tracking.Run, recipe: Recipe, epochs: int, at: checkpoint.Position) -> None:
+    """Give the run `recipe`'s epochs: the ranks read them from run.json; MLflow keeps the first
+    value of a param, so the tags say what the run became."""
+    spec["recipe"] = recipe.to_dict()
+    (run_dir / RECIPE_FILE).write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    checkpoint.atomic_write_text(run_dir / RUN_FILE, json.dumps(spec, indent=2))
+    run.set_tag("repro.extended", f"train.epochs {epochs} -> {recipe.train.epochs} at step {at.step}")
+    run.set_tag(f"{tracking.TAG_PREFIX}recipe_sha256", recipe.fingerprint())
+    run.log_artifact(run_dir / RECIPE_FILE)
 
 
 def execute(
@@ -379,6 +413,10 @@ def execute(
         return join(recipe, options, echo)
     if options.resume:
         run_dir, run, spec = continue_run(recipe, options)
+        if run is None:
+            echo(f"{run_dir}: the run is complete (MLflow run {spec['mlflow_run_id']}, {recipe.train.epochs} epochs); "
+                 f"nothing to resume; to train longer: --resume {run_dir} --epochs N")
+            return Outcome(0, None, run_dir)
     else:
         run_dir, run, spec = new_run(recipe, options, uri, experiment, data)
     if options.launcher == "slurm":
@@ -562,8 +600,9 @@ def ending(job: Job, interrupted: dict | None, run_dir: Path) -> delivery.Outcom
         stopped_by = job.stop_signal.name if job.stop_signal else interrupted["signal"]
         outcome = delivery.Outcome("KILLED", f"stopped by {stopped_by}")
         if interrupted:
-            outcome.tags["repro.interrupted"] = (f"{interrupted['signal']} at step {interrupted['step']}; "
-                                                 f"continue with: repro run ... --resume {run_dir}")
+            then = (f"no checkpoint: {interrupted['no_checkpoint']}" if interrupted.get("no_checkpoint")
+                    else f"continue with: repro run ... --resume {run_dir}")
+            outcome.tags["repro.interrupted"] = f"{interrupted['signal']} at step {interrupted['step']}; {then}"
         return outcome
     error, rank = job.failure()
     return delivery.Outcome("FAILED", error, {"repro.failed_rank": rank} if rank is not None else {})

@@ -1,20 +1,72 @@
-"""Checkpoint and resume: a run stopped by SIGTERM after its first epoch and resumed ends bit for bit
-where the same run left alone ends, in the same MLflow run."""
+"""Checkpoint and resume, for every framework of the registry: a run stopped by SIGTERM in the middle
+of its second epoch and resumed ends bit for bit where the same run left alone ends (every step's
+loss, every epoch's validation metric, the saved weights), in the same MLflow run. A framework whose
+adapter can make no checkpoint must refuse --resume instead; one that cannot run here is skipped
+with the registry's reason. A new framework is in this test the moment it is registered."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import framework_params, mlflow_runs, read_events, wait_for_event
+from conftest import Repro, mlflow_runs, read_events, wait_for_event
+from repro import registry, runner
+from repro.adapters.base import Adapter
 
-SMOKE = ("--epochs", "2", "--set", "data.max_train_samples=512", "--set", "data.max_val_samples=32")
-# Megatron-intra with dropout: each rank saves a different shard, and both dropout streams it keeps
-# outside the default generators (shared by tp peers, local to a rank) must resume where they were.
-SHAPES = {"megatron": ("--set", "megatron.tp=2", "--set", "model.dropout=0.1")}
+# 2 epochs of 128 samples at 4 per GPU: 16 steps an epoch under DDP, 8 under Megatron (4 GPUs), 32 under
+# PipeDream (one mini-batch of 4); 2 of the smoke model's 4 layers keep every run to seconds.
+SMOKE = ("--epochs", "2", "--set", "data.max_train_samples=128", "--set", "data.max_val_samples=32",
+         "--set", "train.batch_per_gpu=4", "--set", "model.n_layer=2")
+# The shapes whose state is spread over ranks in the most ways: Megatron tp x dp with dropout (each
+# rank its shard and a dropout stream outside the default generators), ZeRO stage 3 (parameters
+# partitioned too), torch-pipeline's 1F1B; FSDP2 runs its default, full sharding.
+SHAPES = {
+    "megatron": ("--gpus", "4", "--set", "megatron.tp=2", "--set", "model.dropout=0.1"),
+    "zero": ("--set", "zero.stage=3"),
+    "torch-pipeline": ("--set", "torch_pipeline.schedule=1f1b"),
+    "torchgpipe": ("--set", "torchgpipe.chunks_per_gpu=1"),  # 2 micro-batches a step: 16 steps an epoch
+}
+
+
+def registered() -> list:
+    """Every registered framework, skipped with the registry's reason where it is not installed here."""
+    params = []
+    for name, entry in registry.FRAMEWORKS.items():
+        missing = entry.missing()
+        reason = f"{name} is not available here: missing {', '.join(missing)}; {entry.install_hint}"
+        params.append(pytest.param(name, marks=pytest.mark.skipif(bool(missing), reason=reason)))
+    return params
+
+
+def arguments(framework: str) -> tuple[str, ...]:
+    return ("run", "gpt2", "--framework", framework, "--gpus", "2", *SMOKE, *SHAPES.get(framework, ()))
+
+
+class References:
+    """One uninterrupted run per framework, started once and shared by the tests that compare with it."""
+
+    def __init__(self, repro: Repro):
+        self.repro, self.jobs = repro, {}
+
+    def start(self, framework: str, *extra: str) -> None:
+        if framework not in self.jobs:
+            log = f"alone-{framework}.txt"
+            self.jobs[framework] = self.repro.start(*arguments(framework), *extra, "--run-dir", f"alone/{framework}", log=log)
+
+    def run_dir(self, framework: str) -> Path:
+        self.start(framework)
+        job = self.jobs[framework]
+        assert job.wait(timeout=600) == 0, (self.repro.cwd / f"alone-{framework}.txt").read_text()
+        return self.repro.cwd / "alone" / framework
+
+
+@pytest.fixture(scope="module")
+def references(shared_repro: Repro) -> References:
+    return References(shared_repro)
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -33,61 +85,129 @@ def tensors(obj: object, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The training state a framework saved (the loop's own files hold timings, which differ)."""
+def weights(folder: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """The training state a framework saved: torch.save files and distributed checkpoints (read whole
+    into one file by PyTorch's own converter); the loop's own files hold timings, which differ."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    files = [p for p in folder.rglob("*.pt") if not p.name.startswith("loop-rank")]
+    for index, metadata in enumerate(sorted(folder.rglob(".metadata"))):
+        whole = scratch / f"dcp-{index}.pt"
+        dcp_to_torch_save(metadata.parent, whole)
+        files.append(whole)
     out = {}
-    for path in sorted(folder.rglob("*.pt")):
-        if not path.name.startswith("loop-rank"):
-            out.update(tensors(torch.load(path, weights_only=False), str(path.relative_to(folder))))
+    for path in sorted(files):
+        name = path.relative_to(folder) if path.is_relative_to(folder) else path.name
+        out.update(tensors(torch.load(path, weights_only=False), str(name)))
     return out
 
 
 def curve(events: list[dict]) -> list[tuple]:
+    """Every step's loss and every epoch's validation metrics."""
     steps = [(e["step"], e["loss"]) for e in events if e["event"] == "step"]
     epochs = [(e["epoch"], e["step"], json.dumps(e["val"], sort_keys=True)) for e in events if e["event"] == "epoch"]
     return steps + epochs
 
 
+def mlflow_run(repro: Repro, run_dir: Path):
+    run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+    (run,) = [r for r in mlflow_runs(repro.tracking_uri) if r.info.run_id == run_id]
+    return run
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("framework", framework_params("ddp", "zero", "megatron", "torchgpipe", "pipedream"))
-def test_sigterm_after_first_epoch_then_resume_is_bit_for_bit(repro, framework):
-    args = ("run", "gpt2", "--framework", framework, "--gpus", "2", *SMOKE, *SHAPES.get(framework, ()))
-    reference = repro.start(*args, "--run-dir", "alone/run", log="alone.txt")
-    stopped = repro.start(*args, "--run-dir", "stopped/run", log="stopped.txt")
-    run_dir, first_epoch = wait_for_event(repro.cwd / "stopped", "epoch", stopped, epoch=0)
-    stopped.send_signal(signal.SIGTERM)
+@pytest.mark.parametrize("framework", registered())
+def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, references: References, framework: str,
+                                                      tmp_path: Path):
+    repro, args = shared_repro, arguments(framework)
+    refusal = registry.adapter_class(framework).no_checkpoint_because(framework)
+    if refusal:  # no checkpoint of its own and no replicated state: it must say so, not resume wrongly
+        out = repro(*args, "--resume")
+        assert out.returncode != 0 and out.stderr.strip().endswith(f"--resume: {refusal}")
+        return
+    references.start(framework)
+    stopped = repro.start(*args, "--run-dir", f"stopped/{framework}/run", log=f"stopped-{framework}.txt")
+    # a loaded machine (several helpers' tests on 2 cores) takes minutes to start a run
+    run_dir, first_epoch = wait_for_event(repro.cwd / "stopped" / framework, "epoch", stopped, timeout=900, epoch=0)
+    stopped.send_signal(signal.SIGTERM)  # the second epoch has started: the stop lands inside it
     assert stopped.wait(timeout=120) != 0
-    interrupted = [e for e in read_events(run_dir) if e["event"] == "interrupted"]
-    assert interrupted and interrupted[0]["step"] > first_epoch["step"], (repro.cwd / "stopped.txt").read_text()
-    (stopped_run,) = [r for r in mlflow_runs(repro.tracking_uri) if r.info.run_name and r.info.status == "KILLED"]
-    assert stopped_run.data.tags["repro.interrupted"].startswith("SIGTERM at step")
+    (interrupted,) = [e for e in read_events(run_dir) if e["event"] == "interrupted"]
+    (start,) = [e for e in read_events(run_dir) if e["event"] == "start"]
+    steps = 2 * start["steps_per_epoch"]
+    assert first_epoch["step"] < interrupted["step"] < steps, (repro.cwd / f"stopped-{framework}.txt").read_text()
+    assert mlflow_run(repro, run_dir).data.tags["repro.interrupted"].startswith(f"SIGTERM at step {interrupted['step']};")
 
     resumed = repro(*args, "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr
-    assert reference.wait(timeout=300) == 0, (repro.cwd / "alone.txt").read_text()
+    alone = references.run_dir(framework)
 
-    alone, again = weights(final_checkpoint(repro.cwd / "alone/run")), weights(final_checkpoint(run_dir))
-    assert alone.keys() == again.keys() and alone
-    assert all(torch.equal(alone[k], again[k]) for k in alone), [k for k in alone if not torch.equal(alone[k], again[k])]
-    assert curve(read_events(repro.cwd / "alone/run")) == curve(read_events(run_dir))
-    (start,) = [e for e in read_events(run_dir) if e["event"] == "start"]
-    steps = 2 * start["steps_per_epoch"]  # 512 training samples over the framework's global batch
-    assert start["steps_per_epoch"] == 512 // start["global_batch"]
-    assert interrupted[0]["step"] < steps  # stopped inside the second epoch (PipeDream: mini-batches in flight)
+    assert curve(read_events(run_dir)) == curve(read_events(alone))
     assert len([e for e in read_events(run_dir) if e["event"] == "step"]) == steps
+    before, after = weights(final_checkpoint(alone), tmp_path), weights(final_checkpoint(run_dir), tmp_path)
+    assert before.keys() == after.keys() and before
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
 
-    runs = {r.info.run_id: r for r in mlflow_runs(repro.tracking_uri)}
-    assert len(runs) == 2  # the resumed run continued its own MLflow run
-    (same,) = [r for r in runs.values() if r.info.run_id == stopped_run.info.run_id]
+    same = mlflow_run(repro, run_dir)
     assert same.info.status == "FINISHED" and same.data.tags["repro.resumed"] == "true"
-    assert same.data.tags["repro.resumed_from_step"] == str(interrupted[0]["step"])
+    assert same.data.tags["repro.resumed_from_step"] == str(interrupted["step"])
     from mlflow.tracking import MlflowClient
 
     history = MlflowClient(repro.tracking_uri).get_metric_history(same.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(1, steps + 1))  # every step once: none lost, none repeated
-    elapsed = sorted(MlflowClient(repro.tracking_uri).get_metric_history(same.info.run_id, "time/elapsed_s"),
-                     key=lambda m: m.step)
-    assert [m.step for m in elapsed] == [1, 2] and elapsed[1].value > elapsed[0].value
+
+
+@pytest.mark.slow
+def test_resume_of_a_finished_run_changes_nothing_and_more_epochs_extend_it(shared_repro: Repro, references: References):
+    from mlflow.tracking import MlflowClient
+
+    repro, args = shared_repro, arguments("ddp")
+    references.start("ddp")
+    one_epoch = [*args, "--epochs", "1"]
+    first = repro(*one_epoch, "--run-dir", "finished/ddp")
+    assert first.returncode == 0, first.stderr
+    run_dir = repro.cwd / "finished" / "ddp"
+    before = mlflow_run(repro, run_dir)
+    losses = MlflowClient(repro.tracking_uri).get_metric_history(before.info.run_id, "train/loss")
+
+    again = repro(*one_epoch, "--resume", str(run_dir))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == [
+        f"{run_dir}: the run is complete (MLflow run {before.info.run_id}, 1 epochs); nothing to resume; "
+        f"to train longer: --resume {run_dir} --epochs N"
+    ]
+    untouched = mlflow_run(repro, run_dir)
+    assert (untouched.info.status, untouched.info.end_time, untouched.data.tags) == \
+        (before.info.status, before.info.end_time, before.data.tags)
+    assert len(MlflowClient(repro.tracking_uri).get_metric_history(before.info.run_id, "train/loss")) == len(losses)
+
+    longer = repro(*args, "--resume", str(run_dir))  # SMOKE's 2 epochs
+    assert longer.returncode == 0, longer.stderr
+    extended = mlflow_run(repro, run_dir)
+    assert extended.info.status == "FINISHED"
+    assert extended.data.tags["repro.extended"] == f"train.epochs 1 -> 2 at step {len(losses)}"
+    assert curve(read_events(run_dir)) == curve(read_events(references.run_dir("ddp")))
+
+
+def test_an_adapter_without_checkpoint_or_replicated_state_refuses_resume(repro: Repro, monkeypatch):
+    class Sharded(Adapter):
+        pass
+
+    class Replicated(Adapter):
+        replicated_state = True
+
+    class OwnCheckpoint(Adapter):
+        def save_checkpoint(self, folder: Path) -> None:
+            pass
+
+    assert Replicated.no_checkpoint_because("x") == OwnCheckpoint.no_checkpoint_because("x") == ""
+    reason = Sharded.no_checkpoint_because("fsdp")
+    assert reason.startswith("fsdp cannot checkpoint: its adapter (test_resume.Sharded)")
+    monkeypatch.setattr(registry, "adapter_class", lambda name: Sharded)
+    from repro.recipe import load_file, recipe_path
+
+    recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=fsdp"])
+    with pytest.raises(runner.LaunchError, match=f"^{re.escape(f'--resume: {reason}')}$"):
+        runner.find_resumable(recipe, "latest")
 
 
 def test_resume_with_a_different_recipe_refuses_naming_the_fields(repro):
@@ -99,7 +219,7 @@ def test_resume_with_a_different_recipe_refuses_naming_the_fields(repro):
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.gpus=2", "train.epochs=2", *sets])
     (run_dir / "run.json").write_text(json.dumps({"recipe": recipe.to_dict()}))
     (run_dir / "checkpoints" / "latest.json").write_text(json.dumps({"folder": "step-1", "position": {}}))
-    out = repro("run", "gpt2", "--gpus", "2", "--epochs", "3", "--seed", "7", "--set", sets[0], "--set", sets[1],
+    out = repro("run", "gpt2", "--gpus", "2", "--epochs", "1", "--seed", "7", "--set", sets[0], "--set", sets[1],
                 "--resume", str(run_dir))
     assert out.returncode == 2
-    assert "the recipe differs from the run's in seed (1234 -> 7), train.epochs (2 -> 3);" in out.stderr
+    assert "the recipe differs from the run's in seed (1234 -> 7), train.epochs (2 -> 1);" in out.stderr

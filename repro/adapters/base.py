@@ -4,7 +4,9 @@ The cut follows where frameworks really differ (see ../shared/docs/STYLE.md): an
 model and optimizer together, runs one whole training step (forward, backward, optimizer step)
 because DeepSpeed and pipeline schedules fuse them, evaluates one batch, says which rank reports
 the loss and which shard of each global batch its rank consumes, counts the model state its
-rank holds, and saves and restores its training state in its framework's own way. The training loop (repro.loop) never branches on the framework.
+rank holds, and saves and restores its training state in its framework's own way (or declares
+that state replicated, to use the base checkpoint). The training loop (repro.loop) never branches on
+the framework.
 """
 from __future__ import annotations
 
@@ -73,6 +75,19 @@ class Adapter:
         if recipe.workload not in cls.workloads:
             raise RecipeError(source, "run.framework", f"{recipe.run.framework} is not applicable to "
                               f"{recipe.workload}: {cls.not_applicable_because}")
+
+    # Whether every rank holds the same, whole training state after each step (data parallelism, or a
+    # single process). Only then does the base checkpoint (rank 0's state_dict) restore every rank;
+    # an adapter whose ranks hold different state must bring its own save/load_checkpoint.
+    replicated_state: bool = False
+
+    @classmethod
+    def no_checkpoint_because(cls, framework: str) -> str:
+        """Why this adapter can make no checkpoint, in one line naming `framework` (empty when it can)."""
+        if cls.replicated_state or cls.save_checkpoint is not Adapter.save_checkpoint:
+            return ""
+        return (f"{framework} cannot checkpoint: its adapter ({cls.__module__}.{cls.__name__}) has no "
+                "checkpoint of its own and does not declare its state replicated")
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
@@ -182,17 +197,24 @@ class Adapter:
     def save_checkpoint(self, folder: Path) -> None:
         """Write this rank's share of the training state into `folder` (called on every rank at once).
 
-        Data-parallel default: the state is replicated, so rank 0 writes `state_dict()` to one file,
-        atomically. Frameworks that shard or partition the state, or have their own checkpoint
-        format (DeepSpeed's save_checkpoint), override this and load_checkpoint; the loop makes
-        the folder current only after every rank has returned.
+        The base checkpoint, for adapters that declare `replicated_state` only: rank 0 writes
+        `state_dict()` to one file, atomically. Frameworks that shard or partition the state, or
+        have their own checkpoint format (DeepSpeed's save_checkpoint), override this and
+        load_checkpoint; the loop makes the folder current only after every rank has returned.
         """
+        self.require_checkpoint()
         if self.ctx.rank == 0:
             atomic_torch_save(self.state_dict(), folder / ADAPTER_STATE_FILE)
 
     def load_checkpoint(self, folder: Path) -> None:
         """Restore what save_checkpoint wrote (called on every rank after setup)."""
+        self.require_checkpoint()
         self.load_state_dict(torch.load(folder / ADAPTER_STATE_FILE, map_location=self.ctx.device))
+
+    def require_checkpoint(self) -> None:
+        reason = type(self).no_checkpoint_because(self.ctx.recipe.run.framework)
+        if reason:
+            raise RuntimeError(reason)
 
     def teardown(self) -> None:
         """Release framework resources (the loop destroys the process group afterwards)."""

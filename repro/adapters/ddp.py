@@ -9,6 +9,8 @@ from repro.optim import make_optimizer
 
 
 class DDPAdapter(Adapter):
+    replicated_state = True  # DDP keeps every replica equal: rank 0's state dict is every rank's
+
     def setup(self, model: nn.Sequential) -> None:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -10,11 +10,16 @@ Recipe section `fsdp:` chooses the sharding strategy (full: reshard after forwar
 grad-op: keep parameters gathered from forward to backward, ZeRO-2-like traffic; hybrid: shard
 within groups of gpus/replicas ranks and replicate across the groups, HSDP) and the dtype of the
 gradient reduction; parameters compute in train.precision.
+
+Checkpoints are PyTorch's distributed checkpoint (`torch.distributed.checkpoint`), as FSDP2's users
+write them: the sharded state dicts of model and optimizer (DTensors), every rank writing its own
+shards into CHECKPOINT_FOLDER and reading them back into the same mesh.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -26,6 +31,7 @@ from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
 
+CHECKPOINT_FOLDER = "fsdp"  # the subfolder of a loop checkpoint that holds the DCP files
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -108,3 +114,25 @@ class FSDPAdapter(Adapter):
             "gradients": tensor_bytes(local(p.grad) for p in params),
             "optimizer": tensor_bytes(local(t) for t in optimizer_tensors(self.optimizer)),
         }
+
+    def sharded_state(self) -> dict[str, Any]:
+        """Model and optimizer state dicts whose tensors are this rank's DTensor shards (no gathering)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def save_checkpoint(self, folder: Path) -> None:
+        """Every rank writes its shards (plus rank 0 the replicated entries) with torch.distributed.checkpoint."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.sharded_state(), checkpoint_id=folder / CHECKPOINT_FOLDER)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Read this rank's shards in place into a state dict of the same layout, then hand it to model and optimizer."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self.sharded_state()
+        dcp.load(state, checkpoint_id=folder / CHECKPOINT_FOLDER)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -17,10 +17,16 @@ Two things a per-stage optimizer cannot see, handled here as Megatron does:
   (timm's LAMB: `max_grad_norm` in its defaults) need every stage's gradients; the norm is summed
   over ranks (a tied weight counted once) and the clipping applied here, so the optimizer's own
   clip then finds nothing left to do.
+
+Checkpoints: one file per rank, torch-pipeline-rank{r}.pt, with its stages' parameters (a tied
+weight's copy included, so both copies come back equal) and its optimizer's state. The schedules
+keep no state between steps (each step() builds its microbatches and actions afresh), so there is
+none to save.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -30,6 +36,7 @@ from torch import nn
 from repro import registry
 from repro.adapters import pipeline
 from repro.adapters.base import Adapter, parameter_users
+from repro.checkpoint import atomic_torch_save
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe, section_key
 from repro.schema import RecipeError
@@ -272,3 +279,13 @@ class TorchPipelineAdapter(Adapter):
         if not kwargs:
             return None
         return self.ctx.workload.metric_sums(output[:count], kwargs["target"][:count])
+
+    def checkpoint_file(self, folder: Path) -> Path:
+        return folder / f"torch-pipeline-rank{self.ctx.rank}.pt"
+
+    def save_checkpoint(self, folder: Path) -> None:
+        """Every rank writes its own stages' state: no rank holds another's layers."""
+        atomic_torch_save(self.state_dict(), self.checkpoint_file(folder))
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self.load_state_dict(torch.load(self.checkpoint_file(folder), map_location=self.ctx.device))

@@ -43,6 +43,7 @@ class GPipeOptions(FrameworkOptions):
 
 class GPipeAdapter(Adapter):
     Options = GPipeOptions
+    replicated_state = True  # one process holds every partition: its state dict is the whole state
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
