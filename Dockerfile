@@ -64,7 +64,6 @@ FROM lbann-${WITH_LBANN} AS lbann
 
 # ---- the kit and its Python dependencies, installed the way CI installs them -----------------------
 FROM base AS kit
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # GPU architectures to compile CUDA code for (A100 and H100/H200 by default).
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
 # DeepSpeed's ops to prebuild, so no rank compiles them at run time; CUDA ops (fused_adam,
@@ -102,8 +101,10 @@ WORKDIR /src
 # only, and it is never written to a layer.
 COPY requirements.txt Makefile ./
 COPY docker/with-ca /usr/local/bin/with-ca
+# SC3059 (case modification is not POSIX): the shell is bash (SHELL of the base stage, inherited).
+# hadolint ignore=SC3059
 RUN --mount=type=secret,id=ca \
-    for op in ${DEEPSPEED_OPS}; do export "DS_BUILD_$(echo "${op}" | tr '[:lower:]' '[:upper:]')=1"; done \
+    for op in ${DEEPSPEED_OPS}; do export "DS_BUILD_${op^^}=1"; done \
     && PIP_NO_BUILD_ISOLATION=0 with-ca make install-requirements PYTHON=/opt/venv/bin/python
 COPY pyproject.toml README.md ./
 COPY repro ./repro

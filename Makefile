@@ -25,9 +25,7 @@ DS_ACCELERATOR ?= cuda
 TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
 WITH_LBANN ?= 1
 STAGE_WIKITEXT ?= 0
-# More `docker build` flags, e.g. --build-arg HTTPS_PROXY=... (not stored) or --build-arg CPU_TARGET=...
-BUILD_FLAGS ?=
-IMAGE_BUILD = DOCKER_BUILDKIT=1 $(DOCKER) build $(BUILD_FLAGS) \
+IMAGE_BUILD = DOCKER_BUILDKIT=1 $(DOCKER) build \
 	--build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg BASE_DIGEST=$(BASE_DIGEST) \
 	$(if $(CA_BUNDLE),--secret id=ca$(,)src=$(CA_BUNDLE)) \
 	--build-arg DEEPSPEED_OPS="$(DEEPSPEED_OPS)" --build-arg DS_ACCELERATOR=$(DS_ACCELERATOR) \
