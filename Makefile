@@ -44,7 +44,7 @@ SIF ?= repro.sif
 MLFLOW_PORT ?= 5000
 MLFLOW_STORE ?= sqlite:///mlflow.db
 
-.PHONY: help setup install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
+.PHONY: help setup lbann-python install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
 	image sif compose-up bench gpu-check
 
 help:  ## list targets
@@ -53,6 +53,11 @@ help:  ## list targets
 setup:  ## create .venv and install the kit with its pinned dependencies
 	$(VENV_PYTHON) -m venv .venv
 	$(MAKE) install PYTHON=.venv/bin/python REQUIREMENTS=requirements-dev.txt
+	$(MAKE) lbann-python
+
+lbann-python:  ## create .venv-lbann: LBANN 0.104's own Python (protobuf 4.21, numpy, protoc 3.21) for the LBANN front-end tests
+	$(VENV_PYTHON) -m venv .venv-lbann
+	.venv-lbann/bin/python -m pip install -r requirements-lbann.txt
 
 install: install-requirements install-kit  ## install pinned requirements and the kit into $(PYTHON) (the image runs these same two steps)
 

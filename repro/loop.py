@@ -23,8 +23,8 @@ from repro import checkpoint, events, registry, seeding
 from repro.adapters.base import Adapter, RunContext
 from repro.metrics import Timer, device_name, device_used_bytes, peak_memory_bytes
 from repro.recipe import Recipe, resolve
+from repro.runfiles import RUN_FILE
 
-RUN_FILE = "run.json"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption and SLURM's warning before the time limit
 
 

@@ -5,8 +5,8 @@ its own binary. So this adapter only supplies facts and the job's command line; 
 repro.adapters.lbann_driver, which
   1. translates the recipe into a plan (`plan` below, pure): VGG-16 with the layers and
      initialisation of repro/workloads/vgg16.py, the recipe's optimizer and global batch, the
-     ImageNet reader over the same files (lists of the ImageFolder samples), and the print,
-     timer and GPU-memory callbacks;
+     ImageNet reader over the same files (lists of the ImageFolder samples), the print, timer
+     and GPU-memory callbacks, and CallbackClipGradientNorm for train.grad_clip;
   2. runs repro/adapters/lbann_experiment.py under LBANN's Python, which builds the plan with
      LBANN's front end and saves experiment.prototext;
   3. launches the `lbann` binary with srun or mpirun (repro.launch, pure) and turns its out.log
@@ -65,8 +65,6 @@ class LBANNAdapter(Adapter):
             )
         if train.max_steps is not None:
             raise RecipeError(source, "train.max_steps", "LBANN trains whole epochs; use --epochs instead")
-        if train.grad_clip:
-            raise RecipeError(source, "train.grad_clip", "LBANN has no gradient clipping; remove it")
         spec = recipe.model
         feature_size = spec.image_size // 2**MAX_POOLS
         if feature_size != spec.pool_size:
@@ -156,10 +154,16 @@ def optimizer_plan(recipe: Recipe) -> tuple[dict[str, Any], float]:
 
 
 def reader_transforms(dataset: str, image_size: int, train: bool) -> list[dict[str, Any]]:
-    """LBANN's image transforms matching the workload's. LBANN decodes with OpenCV, in BGR order,
-    so the per-channel mean and std are given reversed."""
-    if dataset == "digits":  # already 32x32: no resampling, no augmentation
-        steps: list[dict[str, Any]] = []
+    """LBANN's image transforms matching the workload's, in the order of LBANN's own ImageNet reader
+    (applications/vision/data/imagenet/data_reader.prototext).
+
+    LBANN's image reader takes its sample size only from the last crop or resize transform
+    (src/proto/init_image_data_readers.cpp), else 256x256: digits, already image_size wide, get a
+    `resize` that only sets that size. `colorize` turns grayscale files (ILSVRC2012 has some) into 3
+    channels before normalisation. LBANN decodes with OpenCV, in BGR order, so the per-channel mean
+    and std are given reversed."""
+    if dataset == "digits":  # no resampling, no augmentation
+        steps: list[dict[str, Any]] = [{"resize": {"height": image_size, "width": image_size}}]
     elif train:
         steps = [{"random_resized_crop": {"height": image_size, "width": image_size}},
                  {"horizontal_flip": {"p": 0.5}}]
@@ -169,7 +173,7 @@ def reader_transforms(dataset: str, image_size: int, train: bool) -> list[dict[s
                                           "crop_height": image_size, "crop_width": image_size}}]
     mean, std = NORMALIZE[dataset]
     bgr = {"means": " ".join(map(str, mean[::-1])), "stddevs": " ".join(map(str, std[::-1]))}
-    return [*steps, {"normalize_to_lbann_layout": bgr}]
+    return [*steps, {"colorize": {}}, {"normalize_to_lbann_layout": bgr}]
 
 
 def reader(role: str, split_dir: Path, label_file: Path, recipe: Recipe, num_classes: int) -> dict[str, Any]:
@@ -196,6 +200,8 @@ def plan(recipe: Recipe, data_dir: Path, work_dir: Path, num_classes: int) -> di
             reader("validate", data_dir / "val", work_dir / "val.txt", recipe, num_classes),
         ],
         "callbacks": ["print", "timer", "gpu_memory_usage"],
+        # Clip by the norm over all weights, as torch.nn.utils.clip_grad_norm_ (null: no clipping).
+        "grad_clip": recipe.train.grad_clip or None,
     }
 
 

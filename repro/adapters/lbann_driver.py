@@ -20,8 +20,8 @@ from typing import Any
 from repro import events, launch, registry
 from repro.adapters import lbann as translation
 from repro.adapters.lbann_log import GIB, Epoch, parse, trainer_epochs
-from repro.loop import RUN_FILE
 from repro.recipe import Recipe, resolve
+from repro.runfiles import RUN_FILE
 
 WORK_DIR = "lbann"
 EXPERIMENT_SCRIPT = Path(__file__).with_name("lbann_experiment.py")
@@ -40,9 +40,14 @@ def lbann_python() -> str:
     return os.environ.get("LBANN_PYTHON") or str(Path(lbann_program()).parent / "python3")
 
 
-def metric(values: dict[str, float | None], *names: str) -> float | None:
-    """The first of `names` that has a number."""
-    return next((values[n] for n in names if values.get(n) is not None), None)
+def export_prototext(plan_file: Path, prototext: Path) -> None:
+    """Build the plan with LBANN's front end, under LBANN's own Python (lbann_experiment.py says why)."""
+    subprocess.run([lbann_python(), "-I", str(EXPERIMENT_SCRIPT), str(plan_file), str(prototext)], check=True)
+
+
+def metric(values: dict[str, float], *names: str) -> float | None:
+    """The value of the first of `names` that the epoch printed (nan and inf included: a diverged run)."""
+    return next((values[n] for n in names if n in values), None)
 
 
 def epoch_events(epoch: Epoch, elapsed_s: float, steps_per_epoch: int, samples: int,
@@ -99,8 +104,7 @@ class Job:
 
     def write_prototext(self) -> Path:
         prototext = self.work / "experiment.prototext"
-        subprocess.run([lbann_python(), "-I", str(EXPERIMENT_SCRIPT), str(self.work / "plan.json"), str(prototext)],
-                       check=True)
+        export_prototext(self.work / "plan.json", prototext)
         return prototext
 
     def command(self, prototext: Path) -> list[str]:

@@ -60,13 +60,14 @@ def build_model(plan):
         objective.append(lbann.L2WeightRegularization(scale=plan["l2_scale"]))
     callbacks = {"print": lbann.CallbackPrint, "timer": lbann.CallbackTimer,
                  "gpu_memory_usage": lbann.CallbackGPUMemoryUsage}
+    clip = [lbann.CallbackClipGradientNorm(global_norm=True, value=plan["grad_clip"])] if plan["grad_clip"] else []
     return lbann.Model(
         plan["epochs"],
         layers=lbann.traverse_layer_graph([images, labels]),
         objective_function=lbann.ObjectiveFunction(objective),
         # The cross-entropy alone is logged too: the objective includes the L2 term.
         metrics=[lbann.Metric(accuracy, name="accuracy", unit="%"), lbann.Metric(cross_entropy, name="cross_entropy")],
-        callbacks=[callbacks[name]() for name in plan["callbacks"]],
+        callbacks=[callbacks[name]() for name in plan["callbacks"]] + clip,
     )
 
 

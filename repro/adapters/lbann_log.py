@@ -1,17 +1,23 @@
 """LBANN's console output (out.log) turned into per-epoch numbers: a pure parser.
 
-LBANN's print, timer and GPU-memory callbacks write lines such as
+The line shapes are those LBANN 0.104 prints with the kit's callbacks, trainers reporting on their
+own (LBANN's default: no --ltfb_allow_global_statistics). For model M and trainer T:
 
-    model0 (instance 0) training epoch 19 objective function : 0.00160377
-    model0 (instance 0) training epoch 19 accuracy : 99.9717%
-    model0 (instance 0) training epoch 19 run time : 0.80641s
-    model0 (instance 0) validation objective function : 34.3421
-    Model 0 GPU memory usage statistics : 0.902 GiB mean, 0.902 GiB median, 0.902 GiB max, 0.902 GiB min (15.8 GiB total)
+  src/callbacks/gpu_memory_usage.cpp, when each epoch *begins* (one line per trainer):
+    Model T GPU memory usage statistics : 0.902 GiB mean, 0.902 GiB median, 0.902 GiB max, 0.902 GiB min (15.8 GiB total)
+  src/callbacks/print_statistics.cpp, when a training epoch ends and when its validation ends:
+    M (instance T) training epoch 0 objective function : 2.30281
+    M (instance T) training epoch 0 accuracy : 11.5385%          (metric name, value, the metric's unit)
+    M (instance T) validation objective function : 2.30155
+  src/callbacks/timer.cpp, after each of those:
+    M (instance T) training epoch 0 run time : 4.21437s
+    M (instance T) training epoch 0 mini-batch time statistics : 0.0957s mean, ... (not read here)
 
-"instance" is the trainer. Validation lines carry no epoch: they belong to their trainer's latest
-training epoch. Any value may be `N/A` (kept as None), and some versions print no median. The
-memory line names no trainer: it belongs to the epoch number in progress, and the largest reading
-is kept (the peak over trainers). LBANN measures that memory device-wide (used = total - free), not the allocator's.
+print_statistics.cpp also prints a dashed epoch header, which carries nothing per trainer. Values are
+C++ stream output: a diverged run prints nan, -nan, inf or -inf, read as floats (never N/A: only the
+mini-batch statistics print that). Validation lines name no epoch: they belong to their trainer's
+latest training epoch. A memory reading is taken as an epoch begins, so it belongs to the epoch its
+trainer trains next; it is device-wide (used = total - free), not the allocator's peak.
 """
 from __future__ import annotations
 
@@ -19,14 +25,17 @@ import re
 from dataclasses import dataclass, field
 
 GIB = 2**30
+MEMORY_STATS = ("mean", "median", "max", "min", "total")
 
+_NUMBER = r"[-+]?(?:nan|inf|\d+(?:\.\d*)?(?:e[-+]?\d+)?)"
 _METRIC = re.compile(
-    r"^\S+ \(instance (?P<trainer>\d+)\) (?P<mode>training|validation|testing)"
-    r"(?: epoch (?P<epoch>\d+))? (?P<name>.+?) : (?P<value>N/A|[-+]?[\d.]+(?:[eE][-+]?\d+)?)(?P<unit>%|s)?\s*$"
+    rf"^\S+ \(instance (?P<trainer>\d+)\) (?:training epoch (?P<epoch>\d+)|(?P<mode>validation|test|tournament))"
+    rf" (?P<name>.+?) : (?P<value>{_NUMBER})(?:%|s)?$"
 )
-_MEMORY = re.compile(r"^Model \d+ GPU memory usage statistics : (?P<stats>.*)$")
-_MEMORY_STAT = re.compile(r"(?P<value>N/A|[\d.]+) GiB (?P<name>mean|median|max|min)\b")
-_MEMORY_TOTAL = re.compile(r"\((?P<value>N/A|[\d.]+) GiB total\)")
+_MEMORY = re.compile(
+    rf"^Model (?P<trainer>\d+) GPU memory usage statistics : (?P<mean>{_NUMBER}) GiB mean, (?P<median>{_NUMBER}) "
+    rf"GiB median, (?P<max>{_NUMBER}) GiB max, (?P<min>{_NUMBER}) GiB min \((?P<total>{_NUMBER}) GiB total\)$"
+)
 
 
 @dataclass
@@ -35,55 +44,29 @@ class Epoch:
 
     trainer: int
     epoch: int
-    training: dict[str, float | None] = field(default_factory=dict)
-    validation: dict[str, float | None] = field(default_factory=dict)
-    memory_gib: dict[str, float | None] = field(default_factory=dict)  # mean/median/max/min/total
-
-
-def number(text: str) -> float | None:
-    return None if text == "N/A" else float(text)
-
-
-def parse_memory(stats: str) -> dict[str, float | None]:
-    values = {m["name"]: number(m["value"]) for m in _MEMORY_STAT.finditer(stats)}
-    total = _MEMORY_TOTAL.search(stats)
-    if total:
-        values["total"] = number(total["value"])
-    return values
-
-
-def peak(old: dict[str, float | None], new: dict[str, float | None]) -> dict[str, float | None]:
-    """The reading with the larger max (a reading with a number beats one without)."""
-    if not old or (new.get("max") is not None and (old.get("max") is None or new["max"] > old["max"])):
-        return new
-    return old
+    training: dict[str, float] = field(default_factory=dict)
+    validation: dict[str, float] = field(default_factory=dict)
+    memory_gib: dict[str, float] = field(default_factory=dict)  # MEMORY_STATS, read as the epoch began
 
 
 def parse(text: str) -> list[Epoch]:
-    """Every trainer's epochs found in `text`, in the order their first line appears."""
+    """Every trainer's epochs found in `text`, in the order their first training line appears."""
     epochs: dict[tuple[int, int], Epoch] = {}
-    latest: dict[int, Epoch] = {}  # trainer -> its epoch in progress
-    memory: dict[int, dict[str, float | None]] = {}  # epoch number -> its peak reading
-    current: int | None = None  # the epoch number of the last training line
+    latest: dict[int, Epoch] = {}  # trainer -> its latest training epoch
+    begun: dict[int, dict[str, float]] = {}  # trainer -> the memory reading of the epoch it began
     for line in text.splitlines():
-        line = line.strip()
-        metric = _METRIC.match(line)
-        if metric:
-            trainer = int(metric["trainer"])
-            if metric["mode"] == "training" and metric["epoch"] is not None:
-                current = int(metric["epoch"])
-                key = (trainer, current)
-                epochs.setdefault(key, Epoch(trainer, current))
+        if metric := _METRIC.match(line.strip()):
+            trainer, value = int(metric["trainer"]), float(metric["value"])
+            if metric["epoch"] is not None:
+                key = (trainer, int(metric["epoch"]))
+                if key not in epochs:
+                    epochs[key] = Epoch(*key, memory_gib=begun.pop(trainer, {}))
                 latest[trainer] = epochs[key]
-                epochs[key].training[metric["name"]] = number(metric["value"])
+                epochs[key].training[metric["name"]] = value
             elif metric["mode"] == "validation" and trainer in latest:
-                latest[trainer].validation[metric["name"]] = number(metric["value"])
-            continue
-        reading = _MEMORY.match(line)
-        if reading and current is not None:
-            memory[current] = peak(memory.get(current, {}), parse_memory(reading["stats"]))
-    for epoch in epochs.values():
-        epoch.memory_gib = memory.get(epoch.epoch, {})
+                latest[trainer].validation[metric["name"]] = value
+        elif reading := _MEMORY.match(line.strip()):
+            begun[int(reading["trainer"])] = {name: float(reading[name]) for name in MEMORY_STATS}
     return list(epochs.values())
 
 
