@@ -14,7 +14,6 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +36,11 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def docker(*args: str, check: bool = True, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
@@ -84,7 +88,7 @@ def base(daemon, tmp_path_factory) -> str:
     registry = subprocess.Popen(["docker-registry", "serve", str(state / "config.yml")],
                                 stdout=open(state / "log", "w"), stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, "docker-registry", 30)
+        wait_for(lambda: listening(port), "docker-registry", 30)
         local = "repro-test-base:bookworm"
         if docker("image", "inspect", local, check=False).returncode != 0:  # kept between runs, like the layer cache
             bootstrap = subprocess.Popen(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={BASE_PACKAGES}",
