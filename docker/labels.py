@@ -2,9 +2,11 @@
 (`docker run -i --entrypoint python IMAGE - < docker/labels.py`) and builds again with its output,
 one `--label io.repro.NAME=VALUE` per fact. Runs on the image's Python, so it imports only what the
 image has."""
+import contextlib
 import importlib
 import importlib.metadata
 import platform
+import sys
 from pathlib import Path
 
 DISTRIBUTIONS = ["torch", "torchvision", "deepspeed", "megatron-core", "torchgpipe", "datasets", "mlflow"]
@@ -46,4 +48,6 @@ def facts() -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    print(" ".join(f"--label io.repro.{name}={value}" for name, value in facts().items()))
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its accelerator choice on import
+        found = facts()
+    print(" ".join(f"--label io.repro.{name}={value}" for name, value in found.items()))

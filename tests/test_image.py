@@ -168,7 +168,9 @@ def test_labels_state_what_is_inside_and_the_pins(image: str) -> None:
     for name, version in versions.items():
         assert found[f"io.repro.{name}"] == version, name
         assert name not in pinned or version == pinned[name], name
-    assert found["io.repro.deepspeed-ops"] == ",".join(sorted(DEEPSPEED_OPS))
+    # Asked for cpu_adam and utils; DeepSpeed's cpu accelerator has no `utils` op and skips it without a
+    # word (measured: cpu_adam only), so the label names the op really built.
+    assert found["io.repro.deepspeed-ops"] == "cpu_adam"
     assert found["io.repro.deepspeed-accelerator"] == "cpu"
     assert not any("lbann" in key or "spack" in key for key in found), "LBANN labels in a WITH_LBANN=0 image"
     assert found["org.opencontainers.image.base.digest"].startswith("sha256:")
