@@ -43,6 +43,7 @@ COMPOSE_FILES ?= -f docker-compose.yml $(if $(filter 1,$(GPUS)),-f docker/compos
 SIF ?= repro.sif
 MLFLOW_PORT ?= 5000
 MLFLOW_STORE ?= sqlite:///mlflow.db
+EXPERIMENT ?= repro
 
 .PHONY: help setup lbann-python install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
 	image sif compose-up bench gpu-check
@@ -83,7 +84,8 @@ test-fast:  ## unit tests only (no multi-process training)
 reproduce-table2: data  ## run the Table 2 matrix at SCALE (smoke by default) and write reports/
 	$(PYTHON) -m repro.cli table2 --scale $(SCALE)
 
-mlflow-ui:  ## browse the runs of MLFLOW_STORE (default: the embedded sqlite file) on http://127.0.0.1:$(MLFLOW_PORT)
+mlflow-ui:  ## browse the runs of MLFLOW_STORE (default: the embedded sqlite file); prints the runs view's address
+	@$(PYTHON) -c 'from repro import tracking; print("runs view:", tracking.runs_view("$(MLFLOW_STORE)", "$(EXPERIMENT)", "http://127.0.0.1:$(MLFLOW_PORT)"))'
 	$(PYTHON) -m mlflow ui --backend-store-uri $(MLFLOW_STORE) --host 127.0.0.1 --port $(MLFLOW_PORT)
 
 image:  ## build $(IMAGE):$(TAG) from BASE_IMAGE@BASE_DIGEST, labelled with what it contains (docs/containers.md)

@@ -1,6 +1,9 @@
 """The baseline of the harness-overhead benchmark: the smoke GPT-2 trained by a minimal loop
-written directly on the framework's API (DDP or DeepSpeed ZeRO), with the kit's model, data and
-batch but none of its loop. Launched by torchrun; rank 0 writes its step times as JSON.
+written directly on the framework's API (DDP or DeepSpeed ZeRO), with the kit's model, data, batch,
+sampler, optimizer and DeepSpeed configuration but none of its loop: no loss read, no stop vote, no
+events, no checkpoints. Launched by torchrun; rank 0 writes its step times as JSON. It ends as the
+loop does (repro.loop.Trainer.close): every rank waits for the others before DeepSpeed and the
+process group are torn down, else a rank that leaves first aborts its peer (SIGABRT at exit).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/minimal.py ddp OUT.json STEPS
 """
@@ -16,43 +19,44 @@ import torch
 import torch.distributed as dist
 
 from repro.data.sets import dataset
+from repro.loop import GlobalBatches
+from repro.optim import make_optimizer
 from repro.recipe import Recipe, load_file, recipe_path
 from repro.workloads.gpt2 import GPT2Workload
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
+Teardown = Callable[[], None]
 
 
-def ddp_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) -> Step:
-    from timm.optim import Lamb
-
+def ddp_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) -> tuple[Step, Teardown]:
     model = torch.nn.parallel.DistributedDataParallel(model)
-    spec = recipe.optimizer()
-    optimizer = Lamb(model.parameters(), lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay)
+    optimizer = make_optimizer(recipe.optimizer(), model.parameters())
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=True)
         workload.loss(model(x), y).backward()
         optimizer.step()
 
-    return step
+    return step, lambda: None
 
 
-def zero_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) -> Step:
+def zero_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) -> tuple[Step, Teardown]:
     import deepspeed
 
-    spec, zero = recipe.optimizer(), recipe.options()
-    config = {"train_micro_batch_size_per_gpu": recipe.train.batch_per_gpu, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 0.0, "steps_per_print": 2**31 - 1,
-              "zero_optimization": {"stage": zero.stage, "reduce_bucket_size": zero.reduce_bucket_size,
-                                    "allgather_bucket_size": zero.allgather_bucket_size}}
-    optimizer = torch.optim.Adam(model.parameters(), lr=spec.lr, betas=tuple(spec.betas), weight_decay=spec.weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    from repro.adapters.base import RunContext
+    from repro.adapters.zero import ZeroAdapter
+
+    # The adapter's own configuration, so that both sides run the same ZeRO (buckets, overlap, stage).
+    context = RunContext(recipe, workload, dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"))
+    config = ZeroAdapter(context).deepspeed_config()
+    optimizer = make_optimizer(recipe.optimizer(), model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         engine.backward(workload.loss(engine(x), y))
         engine.step()
 
-    return step
+    return step, engine.destroy
 
 
 def main(framework: str, out: str, steps: int) -> None:
@@ -61,19 +65,23 @@ def main(framework: str, out: str, steps: int) -> None:
     dist.init_process_group("gloo")
     workload = GPT2Workload(recipe.model, recipe.data, dataset(recipe.data.dataset).locate())
     torch.manual_seed(0)
-    step = {"ddp": ddp_step, "zero": zero_step}[framework](workload.build_model(), workload, recipe)
+    step, teardown = {"ddp": ddp_step, "zero": zero_step}[framework](workload.build_model(), workload, recipe)
     train, _ = workload.datasets()
-    sampler = torch.utils.data.DistributedSampler(train, shuffle=False)
-    loader = torch.utils.data.DataLoader(train, batch_size=recipe.train.batch_per_gpu, sampler=sampler, drop_last=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    epoch = 0
     ends = [time.perf_counter()]
     while len(ends) <= steps:
-        for x, y in loader:  # step time as the kit measures it: end of one step to the end of the next
-            step(x, y)
+        sampler = GlobalBatches(len(train), recipe.train.batch_per_gpu * world, (rank, world), recipe.seed, epoch)
+        for x, y in torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=recipe.data.workers):
+            step(x, y)  # step time as the kit measures it: end of one step to the end of the next
             ends.append(time.perf_counter())
             if len(ends) > steps:
                 break
-    if dist.get_rank() == 0:
+        epoch += 1
+    if rank == 0:
         Path(out).write_text(json.dumps([b - a for a, b in zip(ends, ends[1:])]))
+    dist.barrier()
+    teardown()
     dist.destroy_process_group()
 
 

@@ -21,7 +21,22 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineErrors(click.Group):
+    """Usage errors (a bad option value, a missing argument) in one line, like every other refusal."""
+
+    def main(self, *args, **kwargs):  # type: ignore[override]
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as error:
+            command = error.ctx.command_path if error.ctx else "repro"
+            fail(f"{error.format_message()} (see {command} -h)", error.exit_code)
+        except click.ClickException as error:
+            fail(error.format_message(), error.exit_code)
+        except click.Abort:
+            fail("aborted", 130)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Re-run the experiments of "A Survey and Empirical Evaluation of Parallel Deep
     Learning Frameworks" (Nichols et al., 2021) with checksummed data, fixed seeds and
@@ -69,11 +84,13 @@ def main() -> None:
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Without SLURM, the first node's rendezvous address.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Run folder (default: a new one under runs/); a job of several nodes needs one they share.")
+@click.option("--oversubscribe", is_flag=True,
+              help="Start more CPU processes than 2 per core on a machine without GPUs (refused otherwise).")
 def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_file: Path | None, seed: int | None,
         epochs: int | None, max_steps: int | None, tracking_uri: str | None, experiment: str,
         overrides: tuple[str, ...], allow_unverified: bool, dry_run: bool, launcher: str, resume: str | None,
         image: str | None, time_limit: str | None, partition: str | None, node_rank: int,
-        rdzv_endpoint: str | None, run_dir: Path | None) -> None:
+        rdzv_endpoint: str | None, run_dir: Path | None, oversubscribe: bool) -> None:
     """Train MODEL (vgg16 or gpt2) with one framework and record the run in MLflow.
 
     \b
@@ -91,15 +108,18 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
 
     try:
         registry.framework(framework)
-        cli_fields = [f"run.framework={framework}", f"run.gpus={gpus}", f"run.nodes={nodes}"]
-        cli_fields += [f"seed={seed}"] * (seed is not None) + [f"train.epochs={epochs}"] * (epochs is not None)
-        cli_fields += [f"train.max_steps={max_steps}"] * (max_steps is not None)
-        cli_fields += ["run.allow_unverified=true"] * allow_unverified
+        flags = {f"run.framework={framework}": f"--framework {framework}", f"run.gpus={gpus}": f"--gpus {gpus}",
+                 f"run.nodes={nodes}": f"--nodes {nodes}"}  # recipe fields the options set, for error messages
+        given = {"seed": seed, "train.epochs": epochs, "train.max_steps": max_steps}
+        flags |= {f"{key}={value}": f"--{key.split('.')[-1].replace('_', '-')} {value}"
+                  for key, value in given.items() if value is not None}
+        flags |= {"run.allow_unverified=true": "--allow-unverified"} if allow_unverified else {}
         path = recipe_file or recipes.recipe_path(model, scale)
-        resolved = recipes.load_file(path, [*cli_fields, *overrides])
+        resolved = recipes.load_file(path, [*flags, *overrides], flags)
         if resolved.workload != model:
             fail(f"{path}: workload: the recipe is for {resolved.workload!r}, not {model!r}")
-        options = runner.Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition, dry_run)
+        options = runner.Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition,
+                                dry_run, oversubscribe)
         outcome = runner.execute(resolved, tracking.tracking_uri(tracking_uri), experiment, options)
     except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, runner.LaunchError) as error:
         fail(str(error))
@@ -123,6 +143,56 @@ def attach(run_dir: Path, command: tuple[str, ...]) -> None:
 
 
 @main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True, path_type=Path))
+def sync(run_dirs: tuple[Path, ...]) -> None:
+    """Deliver to MLflow what RUN_DIRS hold and their MLflow runs miss (after a server outage, say).
+
+    \b
+    Each run folder remembers how far delivery got (RUN_DIR/delivery.json); sync resumes there,
+    and running it twice logs nothing twice. A run whose job has ended is ended in MLflow too.
+      repro sync runs/gpt2-ddp-1gpu-*
+    """
+    from repro.delivery import Delivery
+
+    failed = 0
+    for run_dir in run_dirs:
+        delivery = Delivery(run_dir)
+        try:
+            ended = delivery.deliver()
+        except Exception as error:  # the server is away again: say what is left, the next sync resumes
+            delivery.record_undelivered(error)
+            click.echo(f"{run_dir}: {delivery.state.undelivered}", err=True)
+            failed += 1
+            continue
+        state = delivery.state
+        end = f"ended {state.ended}" if ended else "no end recorded yet (the job runs, or see `repro settle`)"
+        click.echo(f"{run_dir}: {state.events_delivered} events ({state.points_delivered} metric points), "
+                   f"{len(state.files)} files delivered; {end}")
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+@click.option("--stale-after", type=float, default=120, show_default=True, metavar="SECONDS",
+              help="A run folder whose heartbeat is this old, with no live follower or Slurm job, has lost its job.")
+def settle(run_dirs: tuple[Path, ...], tracking_uri: str | None, stale_after: float) -> None:
+    """End the RUNNING and SCHEDULED MLflow runs whose job is gone, from their run folders' events.
+
+    \b
+    Without RUN_DIRS: every such run of the store (its folder is the tag repro.run_dir). A job is
+    gone when its heartbeat is stale, its follower no longer runs and Slurm no longer has it; the
+    events then say FINISHED, KILLED or FAILED, and the reason is the tag repro.settled.
+      repro settle --tracking-uri http://127.0.0.1:5000
+    """
+    from repro import settle as settling
+    from repro import tracking
+
+    lines = settling.settle(tracking.tracking_uri(tracking_uri), list(run_dirs), stale_after)
+    click.echo("\n".join(lines) or "no RUNNING or SCHEDULED run to settle")
+
+
+@main.command()
 @click.option("--scale", type=click.Choice(SCALES), default="smoke", show_default=True)
 @click.option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
 @click.option("--experiment", help="MLflow experiment (default: table2-SCALE).")
@@ -132,14 +202,23 @@ def attach(run_dir: Path, command: tuple[str, ...]) -> None:
 @click.option("--reports-only", is_flag=True, help="Write the reports from MLflow without running anything.")
 @click.option("--rows", help="Comma-separated framework rows to keep (default: all rows of the matrix).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field in every cell's recipe.")
+@click.option("--dry-run", is_flag=True,
+              help="Check every cell and print the plan (held, to run, cannot run here and why); run and write nothing.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs per cell, each with its own seed (the recipe's, then +1000, +2000, ...); the reports "
+                   "give each cell's median and 95% interval and compare times only where intervals separate.")
 def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports: Path, gpus_per_node: int | None,
-           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...]) -> None:
+           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...], dry_run: bool,
+           repeats: int) -> None:
     """Re-run the paper's comparison matrix and write Table 2, figures and findings.
 
     \b
     Runs every cell (workload x framework x GPU count, configs/table2.yaml) that MLflow does not
     already hold for the same recipe fingerprint, so an interrupted matrix resumes and a second
     call only rebuilds reports/: table2_platforms.*, results.{md,csv,tex}, *.png, findings.md.
+    Every cell is checked first (recipe, data present and verified, devices or a launcher that
+    provides them); a cell that cannot run here gets one line with the reason and the fixing command,
+    and the reports carry that reason.
     """
     from repro import tracking
     from repro import table2 as matrix_module
@@ -151,11 +230,16 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         matrix = matrix_module.load_matrix(rows=rows.split(",") if rows else None)
     except KeyError as error:
         fail(error.args[0])
-    cells = matrix_module.expand(matrix, scale, list(overrides), gpus_per_node)
+    cells = matrix_module.expand(matrix, scale, list(overrides), gpus_per_node, repeats)
+    if dry_run:
+        todo, _ = matrix_module.plan(cells, uri, experiment, retry_failed)
+        for cell in todo:
+            click.echo(f"{cell.label:<28} to run")
+        return
     if not reports_only:
         counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed)
         click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
-                   f"{counts['skipped']} skipped", err=True)
+                   f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
     for path in write_reports(cells, uri, experiment, reports, scale):
         click.echo(str(path))
 
@@ -219,17 +303,18 @@ def prepare(name: str, root: Path | None) -> None:
 
 @data.command()
 @click.argument("name")
-@click.option("--deep", is_flag=True, help="Rehash every file, ignoring the (size, mtime) cache.")
+@click.option("--deep", is_flag=True,
+              help="Rehash every file, ignoring the cache of hashes (kept per size, mtime, ctime, inode and device).")
 def verify(name: str, deep: bool) -> None:
     """Check dataset NAME against its manifest; exit 1 naming the first bad file."""
     from repro.data import DataError
     from repro.data.sets import dataset
 
     try:
-        path, digest = dataset(name).verify(deep=deep)
+        verified = dataset(name).verify(deep=deep)
     except DataError as error:
         fail(str(error), 1)
-    click.echo(f"{name}: ok ({path}, sha256 {digest})")
+    click.echo(f"{name}: ok ({verified.root}, sha256 {verified.sha256}; {verified.check})")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ VAL_LOSS = "val/loss"
 EPOCH_TIME = "time/epoch_s"
 ELAPSED = "time/elapsed_s"
 THROUGHPUT = "throughput/samples_per_s"
+STEP_TIME = "time/step_{}_s"  # {} is median, p10, p90 or mean of the epoch's step times (warm-up left out)
+STEP_COUNT = "time/step_count"  # steps the step-time figures summarise
 PEAK_MEMORY = "memory/peak_bytes"
 MODEL_STATE = "memory/model_state_bytes"
 
@@ -49,22 +51,22 @@ class EventWriter:
 
 
 class EventReader:
-    """Reads the events appended since the last call (a complete line at a time)."""
+    """Reads the events appended since the last call (a complete line at a time), from byte `offset` on."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, offset: int = 0):
         self.path = path
-        self._offset = 0
+        self.offset = offset  # the end of the last complete line read
 
     def new(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
             return
         with open(self.path) as f:
-            f.seek(self._offset)
+            f.seek(self.offset)
             while True:
                 line = f.readline()
                 if not line.endswith("\n"):
                     break
-                self._offset = f.tell()
+                self.offset = f.tell()
                 yield json.loads(line)
 
 

@@ -62,6 +62,20 @@ def memory_gb() -> float:
     return float("nan")
 
 
+def gpu_count() -> int:
+    """CUDA devices this process can use (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity: what a container or `taskset` grants, not the host's)."""
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
 def this_platform(nodes: int) -> dict[str, object]:
     """Table 2's row for the machine the runs used (nodes from the run tags)."""
     import os

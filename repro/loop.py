@@ -4,9 +4,16 @@ It reads the resolved recipe from RUN_DIR, builds the workload's model under the
 hands it to the framework's adapter and trains: epochs of steps, validation after each epoch
 (outside the epoch timer), device synchronisation at the timing boundaries. The reporting rank
 appends structured events to RUN_DIR/events.jsonl; the parent process turns them into MLflow.
+
+Inside the timed steps the loop reads the device once every SYNC_EVERY steps (docs/measurement.md):
+losses stay on the device until then, when one collective reduces the whole window. Ranks agree on a
+stop with a vote on the host (a CPU tensor over a gloo group), started after one step and read after
+the next, so it never waits for the device. Every read goes through `Trainer.host_read`, which counts
+it, so a test can hold the number per step fixed.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -21,11 +28,16 @@ import torch.distributed as dist
 
 from repro import checkpoint, events, registry, seeding
 from repro.adapters.base import Adapter, RunContext
-from repro.metrics import Timer, device_name, device_used_bytes, peak_memory_bytes
+from repro.metrics import (
+    WARMUP_STEPS, StepClock, Timer, device_name, device_used_bytes, peak_memory_bytes, step_time_summary,
+)
 from repro.recipe import Recipe, resolve
 from repro.runfiles import RUN_FILE
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption and SLURM's warning before the time limit
+# Steps between the loop's reads of the device (rounded up to a multiple of train.log_every): the
+# window's losses are reduced in one collective and its step events written.
+SYNC_EVERY = 16
 
 
 class GlobalBatches(torch.utils.data.Sampler):
@@ -123,6 +135,16 @@ class Trainer:
         self.reporting = rank == self.adapter.reporting_rank
         self.writer = events.EventWriter(run_dir / events.EVENTS_FILE) if self.reporting else None
         self.stop_signal: signal.Signals | None = None
+        log_every = recipe.train.log_every
+        self.window = log_every * -(-SYNC_EVERY // log_every)
+        self.pending: list[tuple[int, int, torch.Tensor | None]] = []  # (step, epoch, this rank's loss)
+        self.phase = "setup"  # "steps" while the epoch timer runs, "epoch" between epochs
+        self.host_syncs: collections.Counter[str] = collections.Counter()  # "phase/site" -> count
+        self.steps_here = 0  # steps this process has run (warm-up is counted from its start)
+        self.vote: tuple[dist.Work | None, torch.Tensor] | None = None  # the stop vote in flight
+        self.vote_group = None  # gloo: the vote never touches a GPU
+        if dist.is_initialized() and self.device.type == "cuda":
+            self.vote_group = dist.new_group(backend="gloo")
         for signum in STOP_SIGNALS:
             signal.signal(signum, self.on_signal)
 
@@ -138,18 +160,34 @@ class Trainer:
         sampler = GlobalBatches(len(self.train_set), self.global_batch, shard, seed, epoch, skip)
         return self.loader(self.train_set, sampler)
 
+    def host_read(self, site: str, tensor: torch.Tensor) -> list:
+        """`tensor` on the host: the loop's one way to wait for the device (counted per phase and site)."""
+        self.host_syncs[f"{self.phase}/{site}"] += 1
+        return tensor.tolist()
+
+    def log_losses(self) -> None:
+        """Reduce the pending steps' losses in one collective and write their step events."""
+        if not self.pending:
+            return
+        steps, epochs, losses = zip(*self.pending)
+        self.pending = []
+        reduced = self.adapter.reduce_losses(list(losses))
+        values = self.host_read("loss", reduced) if reduced is not None else [None] * len(steps)
+        for step, epoch, loss in zip(steps, epochs, values):
+            self.emit(events.STEP, step=step, epoch=epoch, loss=loss)
+
     def validate(self) -> dict[str, float]:
         sampler = EvenShard(len(self.val_set), self.adapter.data_shard(), self.recipe.train.batch_per_gpu)
-        totals = torch.zeros(3, dtype=torch.float64)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         self.adapter.set_training(False)
         try:
             for inputs, targets in self.loader(self.val_set, sampler):
                 sums = self.adapter.eval_step(inputs, targets)
                 if sums is not None:
-                    totals += sums.detach().cpu().double()
+                    totals += sums.detach().to(self.device, torch.float64)  # torchgpipe: on its last GPU
         finally:
             self.adapter.set_training(True)
-        totals = self.adapter.reduce_metric_sums(totals.to(self.device)).cpu()
+        totals = torch.tensor(self.host_read("validation", self.adapter.reduce_metric_sums(totals)), dtype=torch.float64)
         return self.ctx.workload.finish_metric(totals) if self.reporting else {}
 
     def memory(self) -> dict[str, object]:
@@ -186,33 +224,49 @@ class Trainer:
         for epoch in range(at.epoch, recipe.train.epochs):
             if self.done(at):
                 break
+            warm = max(WARMUP_STEPS - self.steps_here, 0)  # warm-up steps of this process still in this epoch
+            self.phase = "steps"
             with Timer(self.device) as timer:
+                clock = StepClock(self.device)
                 for inputs, targets in self.train_loader(epoch, at.epoch_step):
                     loss = self.adapter.train_step(inputs, targets)
-                    at.step, at.epoch_step = at.step + 1, at.epoch_step + 1
+                    at.step, at.epoch_step, self.steps_here = at.step + 1, at.epoch_step + 1, self.steps_here + 1
                     if at.step % recipe.train.log_every == 0:
-                        self.emit(events.STEP, step=at.step, epoch=epoch, loss=loss)
+                        self.pending.append((at.step, epoch, loss))
+                    clock.mark()
                     if self.done(at):
                         break
-                    if self.stop_requested():
+                    if at.step % self.window == 0:
+                        self.log_losses()
+                    if self.stop_agreed():
                         at.epoch_s += timer.seconds_so_far()
-                        self.save(at)
-                        self.emit(events.INTERRUPTED, signal=self.stop_signal.name, step=at.step, epoch=epoch)
-                        return 128 + self.stop_signal
+                        return self.interrupt(at, epoch)
                 self.adapter.end_epoch()
+            self.phase = "epoch"
+            self.log_losses()
             at.epoch_s += timer.seconds
             at.elapsed_s += at.epoch_s
             samples = at.epoch_step * self.global_batch
+            step_s = {**step_time_summary(clock.seconds()[warm:]), "warmup": min(warm, at.epoch_step)}
             metrics = self.validate()
             memory = self.memory()
             self.emit(
                 events.EPOCH, epoch=epoch, step=at.step, epoch_s=at.epoch_s, elapsed_s=at.elapsed_s,
-                samples=samples, samples_per_s=samples / at.epoch_s, val=metrics, **memory,
+                samples=samples, samples_per_s=samples / at.epoch_s, step_s=step_s, val=metrics, **memory,
             )
             at.epoch, at.epoch_step, at.epoch_s = epoch + 1, 0, 0.0
             self.save(at)
-        self.emit(events.END, step=at.step, elapsed_s=at.elapsed_s)
+        self.read_vote()  # every collective ends before teardown
+        self.emit(events.END, step=at.step, elapsed_s=at.elapsed_s, host_syncs=dict(self.host_syncs))
         return 0
+
+    def interrupt(self, at: checkpoint.Position, epoch: int) -> int:
+        """Log what is pending, save on every rank and return 128 + the signal."""
+        self.phase = "epoch"
+        self.log_losses()
+        self.save(at)
+        self.emit(events.INTERRUPTED, signal=self.stop_signal.name, step=at.step, epoch=epoch)
+        return 128 + self.stop_signal
 
     def done(self, at: checkpoint.Position) -> bool:
         return bool(self.recipe.train.max_steps and at.step >= self.recipe.train.max_steps)
@@ -220,14 +274,32 @@ class Trainer:
     def on_signal(self, signum: int, frame: object) -> None:
         self.stop_signal = signal.Signals(signum)
 
-    def stop_requested(self) -> bool:
-        """Whether any rank has been asked to stop; every rank must agree to stop at the same step."""
-        flag = torch.tensor([int(self.stop_signal or 0)], device=self.device)
+    def stop_agreed(self) -> bool:
+        """Whether the vote started a step ago says that some rank was asked to stop; if not, start the
+        next one. Every rank reads the same votes at the same steps, so all stop at the same step, at
+        most one step after the signal. The vote is a CPU tensor: reading it never waits for a GPU, and
+        its peers have finished it by then unless one is a whole step behind."""
+        agreed = self.read_vote()
+        if agreed:
+            self.stop_signal = self.stop_signal or signal.Signals(agreed)
+            return True
+        flag = torch.tensor([int(self.stop_signal or 0)])
+        work = None
         if dist.is_initialized() and self.ctx.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and not self.stop_signal:
-            self.stop_signal = signal.Signals(int(flag.item()))
-        return bool(flag.item())
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.vote_group, async_op=True)
+        self.vote = (work, flag)
+        return False
+
+    def read_vote(self) -> int:
+        """The signal number the vote in flight agreed on (0: none, or no vote in flight)."""
+        if self.vote is None:
+            return 0
+        work, flag = self.vote
+        self.vote = None
+        if work is not None:
+            work.wait()
+        (agreed,) = self.host_read("stop", flag)
+        return agreed
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.ctx.world > 1:

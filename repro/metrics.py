@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import resource
+import statistics
 import sys
 import time
 from typing import Iterable
@@ -32,6 +33,47 @@ class Timer:
     def seconds_so_far(self) -> float:
         synchronize(self.device)
         return time.perf_counter() - self.start
+
+
+WARMUP_STEPS = 5  # the run's first steps (allocator, autotuning, first communication) are left out of step times
+
+
+class StepClock:
+    """Per-step times of one epoch, read only at the epoch end: CUDA events on a GPU (recording one
+    does not wait for the device), the host clock on a CPU. Each step runs from the end of the
+    previous one (or the epoch start) to its own end, so work between steps counts too."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = [self._now()]
+
+    def _now(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        """The end of a step."""
+        self.marks.append(self._now())
+
+    def seconds(self) -> list[float]:
+        """Every step's duration; on a GPU this waits for the device (call it after the timed steps)."""
+        if not self.cuda:
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        self.marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def step_time_summary(seconds: list[float]) -> dict[str, float | int | None]:
+    """Median, 10th and 90th percentile, mean and count of step times (None without steps)."""
+    if not seconds:
+        return {"median": None, "p10": None, "p90": None, "mean": None, "count": 0}
+    ordered = sorted(seconds)
+    deciles = statistics.quantiles(ordered, n=10, method="inclusive") if len(ordered) > 1 else ordered * 9
+    return {"median": statistics.median(ordered), "p10": deciles[0], "p90": deciles[-1],
+            "mean": statistics.fmean(ordered), "count": len(ordered)}
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:

@@ -13,12 +13,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import yaml
 
 from repro import registry
-from repro.schema import RecipeError, as_dict, build
+from repro.schema import AT_LEAST_1, FRACTION, NOT_NEGATIVE, POSITIVE, RecipeError, as_dict, build
 
 SCALES = ("smoke", "paper")
 
@@ -26,41 +26,41 @@ SCALES = ("smoke", "paper")
 @dataclass
 class OptimizerSpec:
     name: Literal["sgd", "adam", "adamw", "lamb"]
-    lr: float
-    weight_decay: float = 0.0
-    momentum: float = 0.9
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    lr: Annotated[float, POSITIVE]
+    weight_decay: Annotated[float, NOT_NEGATIVE] = 0.0
+    momentum: Annotated[float, FRACTION] = 0.9
+    betas: list[Annotated[float, FRACTION]] = field(default_factory=lambda: [0.9, 0.999])
+    eps: Annotated[float, POSITIVE] = 1e-8
 
 
 @dataclass
 class DataSpec:
     dataset: str
-    max_train_samples: int | None = None
-    max_val_samples: int | None = None
-    workers: int = 0
+    max_train_samples: Annotated[int, AT_LEAST_1] | None = None
+    max_val_samples: Annotated[int, AT_LEAST_1] | None = None
+    workers: Annotated[int, NOT_NEGATIVE] = 0
 
 
 @dataclass
 class TrainSpec:
-    epochs: int
-    batch_per_gpu: int
+    epochs: Annotated[int, AT_LEAST_1]
+    batch_per_gpu: Annotated[int, AT_LEAST_1]
     optimizer: OptimizerSpec
-    max_steps: int | None = None
+    max_steps: Annotated[int, AT_LEAST_1] | None = None
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
-    grad_clip: float | None = None
-    log_every: int = 1
+    grad_clip: Annotated[float, POSITIVE] | None = None
+    log_every: Annotated[int, AT_LEAST_1] = 1
     target_metric: float | None = None  # time-to-target threshold (accuracy: higher is better, perplexity: lower)
 
 
 @dataclass
 class RunSpec:
     framework: str = "ddp"
-    gpus: int = 1
-    nodes: int = 1
+    gpus: Annotated[int, AT_LEAST_1] = 1
+    nodes: Annotated[int, AT_LEAST_1] = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     allow_unverified: bool = False
-    timeout_s: int = 600
+    timeout_s: Annotated[int, AT_LEAST_1] = 600
 
 
 @dataclass
@@ -137,23 +137,37 @@ def recipe_path(model: str, scale: str) -> Path:
     return configs_dir() / f"{model}-{scale}.yaml"
 
 
+def one_line(error: Exception) -> str:
+    """A multi-line parser message (YAML's points at the column) as one line."""
+    return " ".join(str(error).split())
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (['a', 'b'], value parsed as a YAML scalar)."""
     key, sep, value = text.partition("=")
-    if not sep or not key:
+    path = key.split(".")
+    if not sep or not all(path):
         raise RecipeError("--set", text, "expected key=value, for example --set train.epochs=2")
-    return key.split("."), yaml.safe_load(value) if value else ""
+    try:
+        return path, yaml.safe_load(value) if value else ""
+    except yaml.YAMLError as error:
+        raise RecipeError(f"--set {text}", key, f"the value is not valid YAML: {one_line(error)}") from None
 
 
-def apply_override(raw: dict[str, Any], text: str) -> None:
+def apply_override(raw: dict[str, Any], text: str, blame: Callable[[str], str]) -> str:
+    """Set the field of `--set text` in `raw`; returns its dotted name. `blame(field)` says who set a
+    field before (the file, or an earlier --set), for a section that turns out to be a value."""
     path, value = parse_override(text)
     node = raw
-    for part in path[:-1]:
+    for depth, part in enumerate(path[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise RecipeError("--set", text, f"{part} is not a section")
+            where = ".".join(path[: depth + 1])
+            raise RecipeError(blame(where), where, f"expected a section (mapping), got {type(child).__name__} "
+                              f"{child!r}, so --set {text} cannot apply")
         node = child
     node[path[-1]] = value
+    return ".".join(path)
 
 
 def section_key(framework: str) -> str:
@@ -168,25 +182,45 @@ def _framework_sections(raw: dict[str, Any], source: str, used: str) -> dict[str
         key = section_key(name)
         if key in raw or name == used:
             options_cls = registry.load(entry.adapter).Options
-            out[name] = build(options_cls, raw.pop(key, None) or {}, source, key)
+            section = raw.pop(key, None)
+            out[name] = build(options_cls, {} if section is None else section, source, key)
     return out
 
 
-def resolve(raw: dict[str, Any], source: str, overrides: list[str] = ()) -> Recipe:
-    """Validate a raw recipe dict plus overrides into a Recipe; errors name file and field."""
+def resolve(raw: Any, source: str, overrides: list[str] = (), flags: dict[str, str] | None = None) -> Recipe:
+    """Validate a raw recipe dict plus overrides into a Recipe. Errors name the file, or the --set (or
+    the command-line option in `flags`, override text -> option) that set the field, and the field."""
+    if not isinstance(raw, dict):
+        raise RecipeError(source, "", f"expected a mapping of sections (workload, data, model, train, run, ...), "
+                          f"got {type(raw).__name__}")
     raw = copy.deepcopy(raw)
+    setters: dict[str, str] = {}  # dotted field -> the option that set it
+
+    def blame(field: str) -> str:
+        owners = [key for key in setters if field == key or field.startswith((f"{key}.", f"{key}["))]
+        return setters[max(owners, key=len)] if owners else source
+
     for text in overrides:
-        apply_override(raw, text)
+        setters[apply_override(raw, text, blame)] = (flags or {}).get(text, f"--set {text}")
+    try:
+        recipe = _build(raw, source)
+    except RecipeError as error:
+        raise RecipeError(blame(error.field), error.field, error.problem) from None
     if overrides:
-        source = f"{source} (with --set {' --set '.join(overrides)})"
-    used = (raw.get("run") or {}).get("framework", RunSpec.framework)
+        recipe.source = f"{source} (with --set {' --set '.join(overrides)})"
+    return recipe
+
+
+def _build(raw: dict[str, Any], source: str) -> Recipe:
+    run = raw.get("run")
+    used = run.get("framework", RunSpec.framework) if isinstance(run, dict) else RunSpec.framework
     if used not in registry.FRAMEWORKS:
         raise RecipeError(source, "run.framework", f"unknown framework {used!r}; valid: {', '.join(registry.FRAMEWORKS)}")
     frameworks = _framework_sections(raw, source, used)
     model_raw = raw.pop("model", None)
     recipe = build(Recipe, {**raw, "model": {}}, source)
     workload = registry.workload_class(recipe.workload)
-    recipe.model = build(workload.ModelSpec, model_raw or {}, source, "model")
+    recipe.model = build(workload.ModelSpec, {} if model_raw is None else model_raw, source, "model")
     recipe.frameworks = frameworks
     recipe.source = source
     check(recipe, source)
@@ -196,21 +230,39 @@ def resolve(raw: dict[str, Any], source: str, overrides: list[str] = ()) -> Reci
 def check(recipe: Recipe, source: str) -> None:
     """Cross-field rules; each error prints the arithmetic."""
     run = recipe.run
-    if run.gpus < 1 or run.nodes < 1:
-        raise RecipeError(source, "run.gpus", f"gpus ({run.gpus}) and nodes ({run.nodes}) must be at least 1")
     if run.gpus % run.nodes:
         raise RecipeError(
             source, "run.gpus",
             f"gpus ({run.gpus}) must spread evenly over nodes ({run.nodes}): {run.gpus} % {run.nodes} = {run.gpus % run.nodes}",
         )
-    for name in ("epochs", "batch_per_gpu"):
-        if getattr(recipe.train, name) < 1:
-            raise RecipeError(source, f"train.{name}", f"must be at least 1, got {getattr(recipe.train, name)}")
-    if recipe.train.max_steps is not None and recipe.train.max_steps < 1:
-        raise RecipeError(source, "train.max_steps", f"must be at least 1, got {recipe.train.max_steps}")
+    for section, optimizer in (("train", recipe.train.optimizer), *(
+            (section_key(name), options.optimizer) for name, options in recipe.frameworks.items())):
+        if optimizer and len(optimizer.betas) != 2:
+            raise RecipeError(source, f"{section}.optimizer.betas", f"expected two numbers [beta1, beta2], got {optimizer.betas}")
+    check_dataset(recipe, source)
+    registry.workload_class(recipe.workload).check(recipe, source)
     adapter = registry.load(registry.FRAMEWORKS[run.framework].adapter)
     adapter.check_workload(recipe, source)
     adapter.check(recipe, source)
+    limit = recipe.data.max_train_samples
+    if limit is not None and adapter.global_batch(recipe) > limit:
+        raise RecipeError(source, "train.batch_per_gpu", batch_too_big(recipe, adapter.global_batch(recipe), limit,
+                                                                        f"data.max_train_samples = {limit}"))
+
+
+def check_dataset(recipe: Recipe, source: str) -> None:
+    from repro.data.sets import DATASETS
+
+    name = recipe.data.dataset
+    if name not in DATASETS:
+        raise RecipeError(source, "data.dataset", f"unknown dataset {name!r}; valid datasets: {', '.join(DATASETS)}")
+
+
+def batch_too_big(recipe: Recipe, batch: int, samples: int, why: str) -> str:
+    """The message of a global batch larger than the training samples: not even one step per epoch."""
+    gpus = f"{recipe.run.gpus} GPU{'s' if recipe.run.gpus > 1 else ''}"
+    return (f"the global batch ({batch} samples per step with {gpus}) exceeds the {samples} "
+            f"training samples ({why}): not one step per epoch; lower train.batch_per_gpu")
 
 
 def differing_fields(before: Recipe, after: Recipe) -> list[str]:
@@ -219,12 +271,20 @@ def differing_fields(before: Recipe, after: Recipe) -> list[str]:
     return sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
 
 
-def load_file(path: Path | str, overrides: list[str] = ()) -> Recipe:
+def load_file(path: Path | str, overrides: list[str] = (), flags: dict[str, str] | None = None) -> Recipe:
+    """The recipe of a YAML file plus overrides (`flags`: see resolve)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(str(path), "", "recipe file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except OSError as error:
+        raise RecipeError(str(path), "", f"cannot be read: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise RecipeError(str(path), "", f"not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+                          f"{error.start}); a recipe is a YAML file") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise RecipeError(str(path), "", f"not valid YAML: {error}".replace("\n", " ")) from None
-    return resolve(raw or {}, str(path), overrides)
+        raise RecipeError(str(path), "", f"not valid YAML: {one_line(error)}") from None
+    return resolve({} if raw is None else raw, str(path), overrides, flags)

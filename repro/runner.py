@@ -1,7 +1,8 @@
 """One run from the parent's side: verify data, launch the job, follow its events into MLflow.
 
-Nothing is lost when a run fails: events are ingested as they are written, the job's output is
-kept in the run folder, and the MLflow run ends FAILED with the last lines of that output.
+Nothing is lost when a run fails: events are delivered as they are written (repro.delivery, in a
+thread of its own, so an MLflow outage never stops or slows the job), the job's output is kept in
+the run folder, and the MLflow run ends FAILED with the last lines of that output.
 """
 from __future__ import annotations
 
@@ -23,20 +24,25 @@ from typing import Callable, Iterator, Literal, TextIO
 import psutil
 import yaml
 
-from repro import checkpoint, doctor, events, launch, registry, tracking
-from repro.data import DataError
+from repro import checkpoint, delivery, doctor, events, hardware, launch, registry, tracking
+from repro.data import DataError, Verified
 from repro.data.sets import dataset
+from repro.delivery import RECIPE_FILE
 from repro.loop import RUN_FILE
-from repro.recipe import Recipe, differing_fields, resolve
+from repro.recipe import Recipe, batch_too_big, differing_fields, resolve
+from repro.schema import RecipeError
 
 RUNS_DIR = Path("runs")
 OUTPUT_FILE = "output.log"
 JOB_SCRIPT = "job.sbatch"
-RECIPE_FILE = "recipe.yaml"
 TAIL_LINES = 80
+HEARTBEAT_S = 5  # how often the follower says it is alive (RUN_DIR/heartbeat.json)
+# After the job: how long the follower keeps trying to deliver the rest before leaving it to `repro sync`
+DELIVERY_BUDGET_S = float(os.environ.get("REPRO_DELIVERY_BUDGET_S", 60))
 STOP_GRACE_S = 45  # after a stop signal, torchrun gives its workers 30 s to save before killing them
 SPEC_WAIT_S = 120  # how long a node other than the first waits for the run folder to appear
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+CPU_PROCESSES_PER_CORE = 2  # stand-in GPUs per core before a run must ask for --oversubscribe
 # torchrun's failure summary names the first failed rank under this heading, as
 # "rank      : 1 (local_rank: 1)" then "exitcode  : -9 (pid: ...)"; the other ranks it stopped come before
 ROOT_CAUSE_HEADING = "Root Cause (first observed failure)"
@@ -63,6 +69,7 @@ class Launch:
     time: str | None = None
     partition: str | None = None
     dry_run: bool = False
+    oversubscribe: bool = False  # more CPU processes than CPU_PROCESSES_PER_CORE x cores, on purpose
 
 
 @dataclass
@@ -73,29 +80,98 @@ class Outcome:
     status: str | None = None  # the MLflow run's end status, where this process recorded it
 
 
-def verify_data(recipe: Recipe) -> tuple[Path, str]:
-    """(data folder, dataset SHA-256); refuses to run on missing or mismatching data unless allowed."""
+def verify_data(recipe: Recipe) -> Verified:
+    """The verified data; refuses to run on missing or mismatching data unless allowed."""
     spec = dataset(recipe.data.dataset)
     try:
         return spec.verify()
-    except DataError:
+    except DataError as error:
         if not recipe.run.allow_unverified:
             raise
-        return spec.locate(), "unverified"
+        return Verified(spec.locate(), "unverified", f"none: --allow-unverified ({error})")
 
 
-def run_tags(recipe: Recipe, data_sha: str) -> dict[str, str]:
+def preflight(recipe: Recipe, options: Launch) -> Verified:
+    """The one validation pass after the recipe's own, before anything starts (and all --dry-run
+    does): the framework is installed, the launching options fit, the devices exist, the data
+    verifies and holds at least one global batch. Raises LaunchError, DataError or RecipeError."""
+    check_machine(recipe, options)
+    return check_data(recipe)
+
+
+def check_machine(recipe: Recipe, options: Launch) -> None:
+    """The framework is installed here, the launching options fit, the devices exist."""
+    registry.adapter_class(recipe.run.framework)  # unavailable frameworks fail before anything starts
+    check_launch(recipe, options)
+    check_devices(recipe, options)
+
+
+def check_data(recipe: Recipe) -> Verified:
+    """The data verifies (unless allowed not to) and holds at least one global batch."""
+    data = verify_data(recipe)
+    check_data_size(recipe, data.root)
+    return data
+
+
+def check_devices(recipe: Recipe, options: Launch) -> None:
+    """This node has the GPUs the run needs, or cores for the CPU processes standing in for them.
+
+    Explicit `run.device: cuda` and paper-scale recipes need one GPU per GPU of the run; a smoke run
+    on `auto` may share fewer GPUs. SLURM allocates the devices, so nothing is checked here for it."""
+    if options.launcher != "local":
+        return
+    run, gpus_here = recipe.run, hardware.gpu_count()
+    needed = run.gpus // run.nodes
+    strict = run.device == "cuda" or (run.device == "auto" and recipe.scale == "paper")
+    if strict and gpus_here < needed:
+        raise LaunchError(
+            f"run.gpus: needs {needed} GPU{'s' if needed > 1 else ''}{' per node' if run.nodes > 1 else ''}, this machine has {gpus_here}: "
+            "use --launcher slurm" + ("" if run.device == "cuda" else ", or --set run.device=cpu for CPU processes"))
+    if run.device == "cuda" or (run.device == "auto" and gpus_here):
+        return
+    processes = registry.adapter_class(run.framework).processes(recipe) // run.nodes
+    cores = hardware.cpu_cores()
+    if processes > CPU_PROCESSES_PER_CORE * cores and not options.oversubscribe:
+        raise LaunchError(
+            f"run.gpus: {processes} CPU processes stand in for GPUs here, but this machine has {cores} cores and no "
+            f"GPU (at most {CPU_PROCESSES_PER_CORE} x {cores} = {CPU_PROCESSES_PER_CORE * cores} processes): "
+            "use fewer --gpus, --launcher slurm, or --oversubscribe")
+
+
+def check_data_size(recipe: Recipe, data_dir: Path) -> None:
+    """The training split holds at least one global batch, so every epoch has a step."""
+    workload = registry.workload_class(recipe.workload)(recipe.model, recipe.data, data_dir)
+    samples = workload.train_samples()
+    batch = registry.adapter_class(recipe.run.framework).global_batch(recipe)
+    if batch > samples:
+        why = f"at most, in {recipe.data.dataset}"
+        raise RecipeError(str(data_dir), "train.batch_per_gpu", batch_too_big(recipe, batch, samples, why))
+
+
+def run_tags(recipe: Recipe, data: Verified, run_dir: Path) -> dict[str, str]:
     tags = {
         "model": recipe.workload, "framework": recipe.run.framework, "gpus": recipe.run.gpus,
         "nodes": recipe.run.nodes, "scale": recipe.scale, "seed": recipe.seed,
-        "recipe_sha256": recipe.fingerprint(), "data_sha256": data_sha, "git_sha": doctor.git_sha(),
+        "recipe_sha256": recipe.fingerprint(), "data_sha256": data.sha256, "data_check": data.check,
+        "git_sha": doctor.git_sha(), "run_dir": run_dir,
     }
     if recipe.run.allow_unverified:
         tags["unverified_data"] = "true"
     image = doctor.image()
     if image:
         tags["image"] = image
-    return {f"{tracking.TAG_PREFIX}{k}": str(v) for k, v in tags.items()}
+    source = {tracking.SOURCE_NAME: recipe.source, tracking.SOURCE_TYPE: "LOCAL", tracking.SOURCE_COMMIT: tags["git_sha"]}
+    return {**{f"{tracking.TAG_PREFIX}{k}": str(v) for k, v in tags.items()}, **source}
+
+
+def run_params(recipe: Recipe) -> dict[str, str]:
+    """The recipe's fields, and what the framework really trains with under `effective.*` (the same
+    names for every framework, so MLflow's compare view lines them up)."""
+    params = recipe.flat()
+    if recipe.optimizer() is not recipe.train.optimizer:  # the framework's section overrides the workload's
+        params = {k: v for k, v in params.items() if not k.startswith("train.optimizer.")}
+    effective = registry.adapter_class(recipe.run.framework).effective(recipe)
+    return {**params, **{f"effective.{k}": str(v) for k, v in effective.items()}}
 
 
 class OutputPump(threading.Thread):
@@ -219,13 +295,15 @@ def refuse_if_different(recipe: Recipe, run_dir: Path) -> None:
 
 
 def new_run(
-    recipe: Recipe, options: Launch, uri: str, experiment: str, data_dir: Path, data_sha: str,
+    recipe: Recipe, options: Launch, uri: str, experiment: str, data: Verified,
 ) -> tuple[Path, tracking.Run, dict]:
     """A new run folder and MLflow run; RUN_DIR/run.json tells every rank of every node the recipe and run id."""
     run_dir = new_run_dir(recipe, options.run_dir)
-    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data_sha), recipe.flat())
+    dataset_input = (recipe.data.dataset, data.sha256, str(data.root.resolve()))
+    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data, run_dir),
+                              run_params(recipe), dataset_input)
     spec = {
-        "recipe": recipe.to_dict(), "data_dir": str(data_dir.resolve()), "data_sha256": data_sha,
+        "recipe": recipe.to_dict(), "data_dir": str(data.root.resolve()), "data_sha256": data.sha256,
         "tracking_uri": uri, "mlflow_run_id": run.run_id,
     }
     (run_dir / RECIPE_FILE).write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
@@ -251,9 +329,8 @@ def execute(
     recipe: Recipe, uri: str, experiment: str, options: Launch = Launch(), echo: Callable[[str], None] = print,
     progress: bool = True,
 ) -> Outcome:
-    registry.adapter_class(recipe.run.framework)  # unavailable frameworks fail before anything starts
-    check_launch(recipe, options)
-    data_dir, data_sha = verify_data(recipe)
+    data = preflight(recipe, options)
+    data_dir = data.root
     if options.dry_run:
         placeholder = Path("RUN_DIR")
         if options.launcher == "slurm":
@@ -266,12 +343,11 @@ def execute(
     if options.resume:
         run_dir, run, spec = continue_run(recipe, options.resume)
     else:
-        run_dir, run, spec = new_run(recipe, options, uri, experiment, data_dir, data_sha)
+        run_dir, run, spec = new_run(recipe, options, uri, experiment, data)
     if options.launcher == "slurm":
         return submit(slurm_job(recipe, options, run_dir, data_dir, spec["tracking_uri"]), run, echo)
     command = command_for(recipe, options, run_dir)
-    run.log_dict(command, "command.json")
-    returncode, status = follow(command, run_dir, run, echo, Progress(sys.stderr) if progress else None)
+    returncode, status = follow(command, run_dir, echo, Progress(sys.stderr) if progress else None)
     return Outcome(returncode, run.run_id, run_dir, status)
 
 
@@ -292,10 +368,7 @@ def submit(job: launch.SlurmJob, run: tracking.Run, echo: Callable[[str], None])
 
 def attach(run_dir: Path, command: list[str], echo: Callable[[str], None] = print) -> int:
     """Run `command` (the job steps) and follow its events into the run recorded in `run_dir`."""
-    spec = read_spec(run_dir)
-    run = tracking.Run.reopen(spec["tracking_uri"], spec["mlflow_run_id"])
-    run.log_dict(command, "command.json")
-    return follow(command, run_dir, run, echo, Progress(sys.stderr))[0]
+    return follow(command, run_dir, echo, Progress(sys.stderr))[0]
 
 
 def join(recipe: Recipe, options: Launch, echo: Callable[[str], None]) -> Outcome:
@@ -386,54 +459,55 @@ class Job:
         )
 
 
-def job_files(run_dir: Path) -> list[Path]:
-    """What the job left in its run folder (events, output, files an adapter wrote), inputs excluded."""
-    inputs = {RUN_FILE, RECIPE_FILE}
-    return sorted(p for p in run_dir.iterdir() if p.is_file() and p.name not in inputs)
-
-
-def follow(
-    command: list[str], run_dir: Path, run: tracking.Run, echo: Callable[[str], None], progress: Progress | None,
-) -> tuple[int, str]:
-    """Run the job, feeding its events to MLflow as they come; end the run with the job's status.
+def follow(command: list[str], run_dir: Path, echo: Callable[[str], None], progress: Progress | None) -> tuple[int, str]:
+    """Run the job while a courier thread delivers its events to MLflow; end the run with the job's status.
 
     FINISHED when the job succeeds; KILLED when it was stopped by a signal (after a stop signal the
     ranks save a checkpoint first, and the run is tagged with how to resume it); FAILED otherwise,
-    with the failing rank and the last lines of output.
+    with the failing rank and the last lines of output. The end is written to RUN_DIR/outcome.json
+    first, so it survives an MLflow server that is away (`repro sync` delivers it later).
     """
+    checkpoint.atomic_write_text(run_dir / "command.json", json.dumps(command, indent=2))
     reader = events.EventReader(run_dir / events.EVENTS_FILE)
     shown = progress.show if progress else lambda event: None
-    for event in reader.new():  # a resumed run: the events already in MLflow, for the progress display
+    for event in reader.new():  # a resumed run: the events already delivered, for the progress display
         shown(event)
+    courier = delivery.Courier(delivery.Delivery(run_dir))
+    courier.delivery.restart()
+    delivery.beat(run_dir)
+    courier.start()
     job = Job(command, run_dir / OUTPUT_FILE, echo)
-    interrupted = None
-    status, error = "FAILED", "the follower stopped before the job"
+    interrupted, last_beat = None, time.monotonic()
+    outcome = delivery.Outcome("FAILED", "the follower stopped before the job")
     try:
         with job.forwarding_signals():
             while True:
                 finished = job.finished()
-                batch = list(reader.new())
-                for event in batch:
+                for event in reader.new():
                     shown(event)
                     interrupted = event if event["event"] == events.INTERRUPTED else interrupted
-                if batch:
-                    run.log_events(batch)
                 if finished:
                     break
+                if time.monotonic() - last_beat > HEARTBEAT_S:
+                    delivery.beat(run_dir)
+                    last_beat = time.monotonic()
                 time.sleep(0.5)
-        if job.returncode == 0:
-            status, error = "FINISHED", None
-        elif interrupted or job.stop_signal:
-            status, error = "KILLED", f"stopped by {(job.stop_signal or signal.SIGTERM).name}"
-            if interrupted:
-                run.set_tag("repro.interrupted", f"{interrupted['signal']} at step {interrupted['step']}; "
-                            f"continue with: repro run ... --resume {run_dir}")
-        else:
-            error, rank = job.failure()
-            if rank is not None:
-                run.set_tag("repro.failed_rank", rank)
+        outcome = ending(job, interrupted, run_dir)
     finally:
-        for path in job_files(run_dir):
-            run.log_artifact(path)
-        run.end(status, error)
-    return job.returncode, status
+        outcome.save(run_dir)
+        if not courier.finish(DELIVERY_BUDGET_S):
+            echo(f"repro: MLflow did not take everything: {courier.delivery.state.undelivered}")
+    return job.returncode, outcome.status
+
+
+def ending(job: Job, interrupted: dict | None, run_dir: Path) -> delivery.Outcome:
+    if job.returncode == 0:
+        return delivery.Outcome("FINISHED")
+    if interrupted or job.stop_signal:
+        outcome = delivery.Outcome("KILLED", f"stopped by {(job.stop_signal or signal.SIGTERM).name}")
+        if interrupted:
+            outcome.tags["repro.interrupted"] = (f"{interrupted['signal']} at step {interrupted['step']}; "
+                                                 f"continue with: repro run ... --resume {run_dir}")
+        return outcome
+    error, rank = job.failure()
+    return delivery.Outcome("FAILED", error, {"repro.failed_rank": rank} if rank is not None else {})

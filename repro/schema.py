@@ -6,9 +6,10 @@ so a typo in a recipe is fixed without reading code.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 
 class RecipeError(ValueError):
@@ -16,7 +17,34 @@ class RecipeError(ValueError):
 
     def __init__(self, source: str, field: str, problem: str):
         self.source, self.field, self.problem = source, field, problem
-        super().__init__(f"{source}: {field}: {problem}" if field else f"{source}: {problem}")
+        message = f"{source}: {field}: {problem}" if field else f"{source}: {problem}"
+        super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))  # always one line
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The valid range of a number field, written `Annotated[int, Bounds(low=1)]` in a spec."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False  # `low` itself is not valid (a learning rate of 0)
+    open_high: bool = False  # `high` itself is not valid (an Adam beta of 1)
+
+    def problem(self, value: float) -> str | None:
+        """Why `value` is out of range (None when it is in range)."""
+        too_low = self.low is not None and (value <= self.low if self.open_low else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.open_high else value > self.high)
+        if not (too_low or too_high):
+            return None
+        low = None if self.low is None else f"{'greater than' if self.open_low else 'at least'} {self.low:g}"
+        high = None if self.high is None else f"{'less than' if self.open_high else 'at most'} {self.high:g}"
+        return f"must be {' and '.join(filter(None, (low, high)))}, got {value!r}"
+
+
+AT_LEAST_1 = Bounds(low=1)
+NOT_NEGATIVE = Bounds(low=0)
+POSITIVE = Bounds(low=0, open_low=True)
+FRACTION = Bounds(low=0, high=1, open_high=True)  # momentum, betas, dropout
 
 
 def _type_name(tp: Any) -> str:
@@ -29,6 +57,14 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, source: str, field: str) -> Any:
     origin = get_origin(tp)
+    if origin is Annotated:
+        base, *extras = get_args(tp)
+        value = _coerce(value, base, source, field)
+        for bounds in (e for e in extras if isinstance(e, Bounds)):
+            problem = None if value is None else bounds.problem(value)
+            if problem:
+                raise RecipeError(source, field, problem)
+        return value
     if origin in (Union, types.UnionType):
         options = get_args(tp)
         if value is None and type(None) in options:
@@ -59,6 +95,8 @@ def _coerce(value: Any, tp: Any, source: str, field: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise RecipeError(source, field, f"must be a finite number, got {value!r}")
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
         raise RecipeError(source, field, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     return value
@@ -71,9 +109,9 @@ def build(cls: type[T], data: Any, source: str, prefix: str = "") -> T:
     """Build dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
     if not isinstance(data, dict):
         raise RecipeError(source, prefix, f"expected a mapping, got {type(data).__name__} {data!r}")
-    hints = get_type_hints(cls)
+    hints = get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)  # YAML keys need not be strings
     if unknown:
         where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise RecipeError(source, where, f"unknown field; valid fields: {', '.join(sorted(fields))}")

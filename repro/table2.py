@@ -4,9 +4,14 @@ A cell is one recipe run (workload x framework row x GPU count). Cells are ident
 recipe fingerprint, so an interrupted matrix resumes where it stopped and a second call only
 rebuilds the reports. Cells that do not apply (Megatron on VGG-16) or cannot run here (LBANN
 without its binary) are kept with the reason, so the report can show them.
+
+With `repeats` N, each cell runs N times: repeat 0 with the recipe's seed (so a store made without
+repeats is reused), repeat r with seed + r x REPEAT_SEED_STRIDE. The seed is part of the recipe, so
+each repeat has its own fingerprint (resumable as any cell) and its seed is recorded with its run.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -19,6 +24,8 @@ import yaml
 from repro import registry
 from repro.recipe import Recipe, configs_dir, load_file, recipe_path
 from repro.schema import RecipeError, build
+
+REPEAT_SEED_STRIDE = 1000  # repeats' master seeds lie this far apart (per-rank seeds derive from them)
 
 
 @dataclass
@@ -48,11 +55,13 @@ class Cell:
     framework: str
     gpus: int
     recipe: Recipe | None = None
-    skip: str | None = None  # why the cell is not run: not applicable, or unavailable here
+    skip: str | None = None  # why the cell is not run: not applicable, unavailable or unable to run here
+    overrides: list[str] = field(default_factory=list)  # what the row and the command line set in its recipe
+    repeat: int = 0  # which of the matrix's repeats (0: the recipe's own seed)
 
     @property
     def label(self) -> str:
-        return f"{self.workload} {self.row} {self.gpus}g"
+        return f"{self.workload} {self.row} {self.gpus}g" + (f" #{self.repeat + 1}" if self.repeat else "")
 
 
 def matrix_path() -> Path:
@@ -82,7 +91,8 @@ def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int,
         return cell
     nodes = math.ceil(gpus / gpus_per_node)
     fields = [f"run.framework={row.framework}", f"run.gpus={gpus}", f"run.nodes={nodes}"]
-    fields += [text.format(gpus=gpus) for text in row.set] + list(extra)
+    cell.overrides = [text.format(gpus=gpus) for text in row.set] + list(extra)
+    fields += cell.overrides
     try:
         cell.recipe = load_file(recipe_path(workload, scale), fields)
     except RecipeError as error:
@@ -90,14 +100,27 @@ def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int,
     return cell
 
 
-def expand(matrix: Matrix, scale: str, extra: list[str] = (), gpus_per_node: int | None = None) -> list[Cell]:
-    """Every cell of the matrix at `scale` (cells with equal recipes, such as megatron-intra and
-    megatron-data at 1 GPU, share one run)."""
+def repeated(cell: Cell, repeats: int) -> list[Cell]:
+    """The cell and its repeats, each with its own master seed."""
+    if not cell.recipe:
+        return [cell]
+    seeds = [cell.recipe.seed + r * REPEAT_SEED_STRIDE for r in range(repeats)]
+    return [cell] + [dataclasses.replace(cell, repeat=r, recipe=dataclasses.replace(cell.recipe, seed=seed),
+                                         overrides=[*cell.overrides, f"seed={seed}"])
+                     for r, seed in enumerate(seeds[1:], 1)]
+
+
+def expand(
+    matrix: Matrix, scale: str, extra: list[str] = (), gpus_per_node: int | None = None, repeats: int = 1,
+) -> list[Cell]:
+    """Every cell of the matrix at `scale`, `repeats` times (cells with equal recipes, such as
+    megatron-intra and megatron-data at 1 GPU, share one run)."""
     plan = matrix.scales[scale]
     per_node = gpus_per_node or plan.gpus_per_node
     return [
-        cell_for(workload, row, gpus, scale, per_node, list(extra))
+        repeat
         for workload in plan.workloads for row in matrix.rows for gpus in plan.gpus
+        for repeat in repeated(cell_for(workload, row, gpus, scale, per_node, list(extra)), repeats)
     ]
 
 
@@ -109,20 +132,61 @@ def held_fingerprints(uri: str, experiment: str, retry_failed: bool) -> set[str]
     return {r.data.tags.get("repro.recipe_sha256") for r in search_runs(uri, experiment) if r.info.status in keep}
 
 
+def cannot_run(cell: Cell, experiment: str) -> str | None:
+    """Why a cell cannot run here, with the commands that fix it (None when it can): the pre-run
+    check of `repro run`, on the machine (devices, or a launcher that provides them) and the data."""
+    from repro import runner
+    from repro.data import DataError
+
+    reasons = []
+    try:
+        runner.check_machine(cell.recipe, runner.Launch())
+    except runner.LaunchError as error:
+        recipe = cell.recipe
+        command = " ".join([f"repro run {cell.workload} --framework {cell.framework} --gpus {cell.gpus}",
+                            f"--nodes {recipe.run.nodes} --scale {recipe.scale}",
+                            *(f"--set {text}" for text in cell.overrides),
+                            f"--launcher slurm --experiment {experiment}"])
+        reasons.append(f"{error}; fix: {command}")
+    except registry.Unavailable as error:
+        reasons.append(str(error))
+    try:
+        runner.check_data(cell.recipe)
+    except (DataError, RecipeError) as error:
+        reasons.append(str(error))
+    return "; and ".join(reasons) or None
+
+
+def plan(
+    cells: list[Cell], uri: str, experiment: str, retry_failed: bool = False,
+    out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> tuple[list[Cell], dict[str, int]]:
+    """The runs to make: cells MLflow lacks that pass the pre-run check. Prints one line per cell that
+    cannot run (the reason, kept in `cell.skip` for the reports) and a summary; starts nothing."""
+    held = held_fingerprints(uri, experiment, retry_failed)
+    unique = {c.recipe.fingerprint(): c for c in cells if c.recipe}
+    missing = [c for key, c in unique.items() if key not in held]
+    for cell in missing:
+        cell.skip = cannot_run(cell, experiment)
+        if cell.skip:
+            out(f"{cell.label:<28} cannot run: {cell.skip}")
+    todo = [c for c in missing if not c.skip]
+    counts = {"held": len(unique) - len(missing), "blocked": len(missing) - len(todo), "ran": 0, "failed": 0,
+              "skipped": sum(1 for c in cells if not c.recipe)}
+    out(f"matrix: {len(unique)} runs, {counts['held']} already in MLflow, {len(todo)} to run, "
+        f"{counts['blocked']} cannot run here, {counts['skipped']} cells skipped")
+    return todo, counts
+
+
 def run_matrix(
     cells: list[Cell], uri: str, experiment: str, retry_failed: bool = False,
     out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, int]:
-    """Run the cells MLflow lacks, one after another, with a progress line per cell."""
+    """Run the cells MLflow lacks and that can run here, one after another, with a progress line per cell."""
     from repro import runner
     from repro.data import DataError
 
-    held = held_fingerprints(uri, experiment, retry_failed)
-    unique = {c.recipe.fingerprint(): c for c in cells if c.recipe}
-    todo = [c for key, c in unique.items() if key not in held]
-    counts = {"held": len(unique) - len(todo), "ran": 0, "failed": 0, "skipped": sum(1 for c in cells if not c.recipe)}
-    out(f"matrix: {len(unique)} runs, {counts['held']} already in MLflow, {len(todo)} to run, "
-        f"{counts['skipped']} cells skipped")
+    todo, counts = plan(cells, uri, experiment, retry_failed, out)
     started = time.monotonic()
     for index, cell in enumerate(todo, 1):
         begun = time.monotonic()

@@ -18,6 +18,14 @@ TAG_PREFIX = "repro."
 RETRIES = 12
 SQLITE_PREFIX = "sqlite:///"
 TRANSIENT_SIGNS = ("database is locked", "database table is locked")
+# An HTTP server's client gives up after these (MLflow's own defaults retry for minutes): repro.delivery
+# does the retrying, with its own pauses, and a request never holds a follower for long.
+HTTP_RETRIES, REQUEST_TIMEOUT_S = 2, 10
+HTTP_PREFIXES = ("http://", "https://")
+# MLflow's own tag names, which its UI shows (Source column, run page)
+SOURCE_NAME, SOURCE_TYPE, SOURCE_COMMIT = "mlflow.source.name", "mlflow.source.type", "mlflow.source.git.commit"
+UNFINISHED = ("RUNNING", "SCHEDULED")
+DIGEST_CHARS = 36  # MLflow's longest dataset digest (validation.py); a SHA-256 is shown by its first 36 hex digits
 
 
 def tracking_uri(explicit: str | None = None) -> str:
@@ -75,6 +83,10 @@ def client(uri: str) -> Any:
 
     logging.getLogger("alembic").setLevel(logging.WARNING)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
+    if uri.startswith(HTTP_PREFIXES):  # read by MLflow at each request; an explicit setting wins
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(HTTP_RETRIES))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))
     return RetryingClient(uri)
 
 
@@ -98,6 +110,9 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
         (events.ELAPSED, event["elapsed_s"], step),
         (events.THROUGHPUT, event["samples_per_s"], step),
     ]
+    step_s = event.get("step_s") or {}  # the loop's step-time distribution (absent from LBANN's driver)
+    out += [(events.STEP_TIME.format(k), step_s[k], step) for k in ("median", "p10", "p90", "mean") if step_s.get(k) is not None]
+    out += [(events.STEP_COUNT, step_s["count"], step)] if "count" in step_s else []
     ranks = event["ranks"]
     state = {r["rank"]: r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks}
     out += [(events.PEAK_MEMORY, max(r["peak_bytes"] for r in ranks), step)]
@@ -115,23 +130,39 @@ class Run:
         self.client, self.run_id = mlflow_client, run_id
 
     @classmethod
-    def create(cls, uri: str, experiment: str, name: str, tags: dict[str, str], params: dict[str, str]) -> "Run":
-        from mlflow.entities import Param, RunTag
+    def create(
+        cls, uri: str, experiment: str, name: str, tags: dict[str, str], params: dict[str, str],
+        dataset: tuple[str, str, str] | None = None,
+    ) -> "Run":
+        """A new run with its tags and params and, as an MLflow dataset input (the UI's Dataset column),
+        `dataset`: (name, digest, source); the full digest is also a tag of the caller's."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag, Param, RunTag
 
         mlflow_client = client(uri)
         run_id = mlflow_client.create_run(experiment_id(mlflow_client, experiment), run_name=name).info.run_id
         mlflow_client.log_batch(
             run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()],
-            params=[Param(k, v[:6000]) for k, v in params.items()],
+            params=[Param(k, str(v)[:6000]) for k, v in params.items()],
         )
+        if dataset:
+            name, digest, source = dataset
+            context = InputTag("mlflow.data.context", "training")
+            mlflow_client.log_inputs(run_id, [DatasetInput(Dataset(name, digest[:DIGEST_CHARS], "local", source), [context])])
         return cls(mlflow_client, run_id)
 
     @classmethod
+    def connect(cls, uri: str, run_id: str) -> "Run":
+        return cls(client(uri), run_id)
+
+    @classmethod
     def reopen(cls, uri: str, run_id: str) -> "Run":
-        """An existing run, marked running again (a resumed or a queued job continues it)."""
-        run = cls(client(uri), run_id)
-        run.client.update_run(run_id, status="RUNNING")
+        """An existing run, marked running again (a resumed job continues it)."""
+        run = cls.connect(uri, run_id)
+        run.mark_running()
         return run
+
+    def mark_running(self) -> None:
+        self.client.update_run(self.run_id, status="RUNNING")
 
     def log_events(self, new_events: list[dict[str, Any]]) -> None:
         from mlflow.entities import Metric, Param, RunTag
@@ -161,3 +192,21 @@ class Run:
         if error:
             self.client.set_tag(self.run_id, "repro.error", error[-4900:])
         self.client.set_terminated(self.run_id, status)
+
+
+def unfinished_runs(uri: str) -> list[tuple[str, str, dict[str, str]]]:
+    """(run id, status, tags) of every RUNNING or SCHEDULED run in the store, all experiments."""
+    mlflow_client = client(uri)
+    ids = [e.experiment_id for e in mlflow_client.search_experiments()]
+    found = []
+    for status in UNFINISHED:
+        for run in mlflow_client.search_runs(ids, f"attributes.status = '{status}'", max_results=50000) if ids else []:
+            found.append((run.info.run_id, run.info.status, run.data.tags))
+    return found
+
+
+def runs_view(uri: str, experiment: str, address: str) -> str:
+    """The address of the MLflow UI's runs table of `experiment` (the UI opens an experiment on its GenAI
+    overview otherwise), or of the experiments list while the experiment does not exist."""
+    found = client(uri).get_experiment_by_name(experiment)
+    return f"{address}/#/experiments/{found.experiment_id}/runs" if found else f"{address}/#/experiments"

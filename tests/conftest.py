@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from mlflow_server import tracking_server  # noqa: F401 (a fixture: the PostgreSQL-backed MLflow server)
+
 REPO = Path(__file__).resolve().parent.parent
+STORES: set[str] = set()  # every MLflow store the tests used: none may hold a RUNNING run at the end
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Repro:
         self.cwd = cwd
         self.env = {**os.environ, "REPRO_DATA": str(REPO / "data"), "MLFLOW_TRACKING_URI": f"sqlite:///{cwd}/mlflow.db"}
         self.env.pop("REPRO_CONFIGS", None)
+        STORES.add(self.env["MLFLOW_TRACKING_URI"])
 
     def __call__(self, *args: str, timeout: int = 600) -> Result:
         out = subprocess.run(
@@ -120,3 +124,22 @@ def mlflow_runs(uri: str, experiment: str = "repro") -> list:
     client = MlflowClient(tracking_uri=uri)
     found = client.get_experiment_by_name(experiment)
     return client.search_runs([found.experiment_id]) if found else []
+
+
+def running_runs(uri: str) -> list[str]:
+    """Ids of the RUNNING runs of every experiment of the store `uri` (a sqlite file that was never made has none)."""
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        return []
+    client = MlflowClient(tracking_uri=uri)
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return [r.info.run_id for r in client.search_runs(ids, "attributes.status = 'RUNNING'")] if ids else []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session when a test left a RUNNING run behind (a run nobody will ever end)."""
+    left = {uri: ids for uri in sorted(STORES) if (ids := running_runs(uri))}
+    if left:
+        print(f"\nRUNNING runs left behind: {left}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

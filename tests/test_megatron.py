@@ -64,7 +64,7 @@ def probe(folder: Path, framework: str, gpus: int, *overrides: str) -> dict:
     recipe = load_file(recipe_path("gpt2", "smoke"), [
         f"run.framework={framework}", f"run.gpus={gpus}", f"train.max_steps={STEPS}", *overrides,
     ])
-    data_dir, _ = verify_data(recipe)
+    data_dir = verify_data(recipe).root
     run_dir = folder / f"{framework}-{gpus}g-{'-'.join(overrides)}"
     run_dir.mkdir()
     (run_dir / RUN_FILE).write_text(json.dumps({"recipe": recipe.to_dict(), "data_dir": str(data_dir)}))

@@ -50,7 +50,8 @@ def record(uri: str, cell: Cell) -> None:
               "gradients": 0, "optimizer": 0} for r in range(cell.gpus)]
     run.log_events([
         {"event": events.EPOCH, "wall": 1.0e9 + epoch, "epoch": epoch, "epoch_s": epoch_s, "elapsed_s": epoch_s * (epoch + 1),
-         "samples_per_s": 1000 / epoch_s, "val": {events.VAL_PERPLEXITY: value}, "ranks": ranks}
+         "samples_per_s": 1000 / epoch_s, "val": {events.VAL_PERPLEXITY: value}, "ranks": ranks,
+         "step_s": {"median": epoch_s / 100, "p10": epoch_s / 125, "p90": epoch_s / 80, "mean": epoch_s / 100, "count": 95}}
         for epoch, value in enumerate(curve)
     ])
     run.end("FINISHED")
@@ -80,6 +81,9 @@ def test_results_table_carries_the_recorded_numbers(report: Path) -> None:
     assert float(ddp4["speedup"]) == pytest.approx(10.0 / 3.0)
     assert float(ddp4["model_state_mib"]) == 8.0 and float(ddp4["peak_memory_mib"]) == 900.0
     assert float(ddp4["final_metric"]) == 22.0
+    steps = [float(ddp4[f"step_{key}_ms"]) for key in ("p10", "median", "p90")]
+    assert steps == pytest.approx([24.0, 30.0, 37.5])  # 3 s epochs: step-time spread from the epoch events
+    assert ddp4["repeats"] == "1" and ddp4["epoch_s_low"] == ""  # one run: no interval
     assert float(ddp4["time_to_target_s"]) == 9.0  # perplexity <= 30 first at epoch 3 (32 at epoch 2)
     assert float(table[("ddp", 1)]["time_to_target_s"]) == 20.0
     assert table[("pipedream", 2)]["time_to_target_s"] == ""  # never reaches 30

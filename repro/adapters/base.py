@@ -99,13 +99,31 @@ class Adapter:
         """Samples per optimizer step over the whole job (the paper's rule: batch per GPU x GPUs)."""
         return recipe.train.batch_per_gpu * recipe.run.gpus
 
+    @classmethod
+    def micro_batches(cls, recipe: Recipe) -> int:
+        """Micro-batches each global batch is cut into (1 where the framework does not pipeline)."""
+        return 1
+
+    @classmethod
+    def effective(cls, recipe: Recipe) -> dict[str, Any]:
+        """What this framework really trains with, under names every framework shares (MLflow's `effective.*`)."""
+        optimizer = recipe.optimizer()
+        return {"optimizer": optimizer.name, "lr": optimizer.lr, "weight_decay": optimizer.weight_decay,
+                "global_batch": cls.global_batch(recipe), "micro_batches": cls.micro_batches(recipe)}
+
     # -- per-rank behaviour --------------------------------------------------------------------
     def setup(self, model: nn.Sequential) -> None:
         raise NotImplementedError
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """One optimizer step on this rank's shard; returns the global mean loss on the reporting rank."""
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step on this rank's shard; returns its loss as a detached tensor on the device
+        (None on ranks without one). The loop reduces a window of them at once (reduce_losses)."""
         raise NotImplementedError
+
+    def reduce_losses(self, losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """Each step's global mean loss from the per-shard losses of several steps, in one collective
+        (called on every rank at once); valid on the reporting rank, None where it has none."""
+        return self.all_reduce(torch.stack(losses).float(), self.data_group, average=True)
 
     def end_epoch(self) -> None:
         """Finish the epoch's outstanding training work (an asynchronous pipeline drains here)."""
@@ -198,6 +216,7 @@ class Adapter:
                 tensor /= dist.get_world_size(group)
         return tensor
 
-    def mean_loss(self, loss: torch.Tensor) -> float:
-        """The global mean of per-shard mean losses (equal shards), as a float."""
-        return float(self.all_reduce(loss.detach().float().clone(), self.data_group, average=True))
+    @staticmethod
+    def shard_loss(loss: torch.Tensor) -> torch.Tensor:
+        """This shard's mean loss, kept on the device (no host synchronisation)."""
+        return loss.detach().float()

@@ -20,7 +20,7 @@ class DDPAdapter(Adapter):
         fp16 = self.ctx.recipe.train.precision == "fp16"
         self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
         with self.autocast():
@@ -30,7 +30,7 @@ class DDPAdapter(Adapter):
         self.clip_gradients(self.model.parameters())
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return self.mean_loss(loss)
+        return self.shard_loss(loss)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Parameters, gradients and Adam state as the base counts them, plus DDP's reducer buckets.

@@ -91,14 +91,14 @@ class FSDPAdapter(Adapter):
         """FSDP casts parameters itself (MixedPrecisionPolicy), so no autocast on top."""
         return contextlib.nullcontext()
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.ctx.workload.loss(self.model(inputs), targets)
         loss.backward()
         self.clip_gradients(self.model.parameters())
         self.optimizer.step()
-        return self.mean_loss(loss)
+        return self.shard_loss(loss)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the shards this rank stores (the local tensors of the DTensors)."""

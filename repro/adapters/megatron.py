@@ -283,7 +283,7 @@ class MegatronAdapter(Adapter):
         self.model = parallel_gpt2(model, ctx.workload.spec, par, self.local_rng).to(ctx.device)
         self.optimizer = make_optimizer(ctx.recipe.optimizer(), self.model.parameters())
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
@@ -294,7 +294,7 @@ class MegatronAdapter(Adapter):
         self.average_gradients()
         self.clip_gradients(self.model.parameters())
         self.optimizer.step()
-        return self.mean_loss(loss)
+        return self.shard_loss(loss)
 
     def average_gradients(self) -> None:
         """Mean of the dp replicas' gradients: one all-reduce of all gradients, flattened."""

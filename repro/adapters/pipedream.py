@@ -206,12 +206,15 @@ class PipeDreamAdapter(Adapter):
         return tensor, version
 
     # -- training -----------------------------------------------------------------------------------
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         self.flush_sends()
         admitted = self.forward_pass(inputs, targets)
         while len(self.in_flight) > self.warmup:
             self.backward_oldest()
-        return float(admitted.output.detach()) if self.last else None
+        return self.shard_loss(admitted.output) if self.last else None
+
+    def reduce_losses(self, losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return pipeline.last_stage_losses(losses)
 
     def end_epoch(self) -> None:
         while self.in_flight:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from repro import registry
+from repro.adapters import pipeline
 from repro.adapters.base import Adapter, parameter_users
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe, section_key
@@ -106,6 +107,10 @@ def valid_split(weights: list[int], starts: list[bool], sizes: list[int]) -> boo
 
 class TorchPipelineAdapter(Adapter):
     Options = TorchPipelineOptions
+
+    @classmethod
+    def micro_batches(cls, recipe: Recipe) -> int:
+        return microbatches(recipe)
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
@@ -222,7 +227,7 @@ class TorchPipelineAdapter(Adapter):
         kwargs = {"target": targets.to(self.ctx.device)} if self.stage_count - 1 in self.mine else {}
         return args, kwargs
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         self.optimizer.zero_grad(set_to_none=True)
         args, kwargs = self.pipeline_arguments(inputs, targets)
         losses: list[torch.Tensor] = []
@@ -232,7 +237,10 @@ class TorchPipelineAdapter(Adapter):
             dist.all_reduce(param.grad, group=group)
         self.clip_whole_model()
         self.optimizer.step()
-        return float(torch.stack([loss.detach().float() for loss in losses]).mean()) if losses else None
+        return self.shard_loss(torch.stack(losses).mean()) if losses else None
+
+    def reduce_losses(self, losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return pipeline.last_stage_losses(losses)
 
     def clip_whole_model(self) -> None:
         """Apply train.grad_clip and the optimizer's own global-norm clip with the norm of every stage's gradients."""

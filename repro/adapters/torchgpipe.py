@@ -68,6 +68,10 @@ class GPipeAdapter(Adapter):
     def global_batch(cls, recipe: Recipe) -> int:
         return recipe.train.batch_per_gpu * cls.chunks(recipe)
 
+    @classmethod
+    def micro_batches(cls, recipe: Recipe) -> int:
+        return cls.chunks(recipe)
+
     def devices(self) -> list[torch.device]:
         gpus = self.ctx.recipe.run.gpus
         if self.ctx.device.type != "cuda":
@@ -116,7 +120,7 @@ class GPipeAdapter(Adapter):
         shares = [model_state(partition, self.optimizer) for partition in self.model.partitions]
         return max(shares, key=lambda share: sum(share.values()))
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         first, last = self.model.devices[0], self.model.devices[-1]
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.ctx.workload.loss(self.model(inputs.to(first)), targets.to(last))
@@ -124,7 +128,7 @@ class GPipeAdapter(Adapter):
         pipeline.sum_tied_gradients(self.tied)
         self.clip_gradients(self.model.parameters())
         self.optimizer.step()
-        return self.mean_loss(loss)
+        return self.shard_loss(loss)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs.to(self.model.devices[0]))

@@ -113,7 +113,7 @@ class ZeroAdapter(Adapter):
         if self.ctx.rank == 0 and self.ctx.run_dir:
             (self.ctx.run_dir / CONFIG_FILE).write_text(json.dumps(resolved_config(self.engine), indent=2, sort_keys=True))
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         loss = self.ctx.workload.loss(self.engine(inputs), targets)
         if self.steps_counted < COUNTED_STEPS:
@@ -121,7 +121,7 @@ class ZeroAdapter(Adapter):
             self.steps_counted += 1
         self.engine.backward(loss)
         self.engine.step()
-        return self.mean_loss(loss)
+        return self.shard_loss(loss)
 
     def _measure_when_backward_ends(self, grad: torch.Tensor) -> None:
         """Runs as backward starts; queues the count for when autograd has produced every gradient."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,9 @@ from typing import Callable, Iterable
 MANIFESTS = Path(__file__).parent / "manifests"
 LOCAL_MANIFEST = "MANIFEST.sha256"
 SYNTHETIC = "synthetic"
+# A file changed within this long before it was hashed may change again with the same ctime (file
+# systems keep coarse timestamps); its cached hash is not trusted, as git treats "racily clean" entries.
+RACY_NS = 2_000_000_000
 
 
 class DataError(RuntimeError):
@@ -68,8 +72,17 @@ def sha256_file(path: Path | str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def stat_key(stat: os.stat_result) -> list[int]:
+    """What a cached hash is valid for. Size and mtime alone are easy to keep while changing bytes
+    (`cp -p`, `rsync -t`, `touch -r`, a restored backup); ctime is not: every write or utime call sets
+    it to the current time, and no system call sets it back. Inode and device change when the file
+    is replaced or the tree is moved to another disk."""
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev]
+
+
 class HashCache:
-    """File hashes keyed on (path, size, mtime): a second verify of an unchanged tree only stats.
+    """File hashes keyed on (path, size, mtime, ctime, inode, device): a second verify of an unchanged
+    tree only stats.
 
     Paths are plain strings here: pathlib's per-call overhead would dominate a cached verify.
     """
@@ -83,11 +96,13 @@ class HashCache:
         self.dirty = False
 
     def lookup(self, file: str, stat: os.stat_result) -> str | None:
-        hit = self.entries.get(file)
-        return hit[2] if hit and hit[0] == stat.st_size and hit[1] == stat.st_mtime_ns else None
+        hit = self.entries.get(file)  # [*stat_key, hashed_at_ns, digest]
+        if not hit or hit[:-2] != stat_key(stat) or stat.st_ctime_ns > hit[-2] - RACY_NS:
+            return None
+        return hit[-1]
 
-    def store(self, file: str, stat: os.stat_result, digest: str) -> None:
-        self.entries[file] = [stat.st_size, stat.st_mtime_ns, digest]
+    def store(self, file: str, stat: os.stat_result, digest: str, hashed_at_ns: int) -> None:
+        self.entries[file] = [*stat_key(stat), hashed_at_ns, digest]
         self.dirty = True
 
     def save(self) -> None:
@@ -102,8 +117,21 @@ class HashCache:
                 pass
 
 
-def verify_tree(root: Path, entries: dict[str, str], deep: bool = False, cache: HashCache | None = None) -> None:
-    """Check every manifest entry under `root`; raise DataError naming the first bad file."""
+@dataclass(frozen=True)
+class Verified:
+    """A dataset that matched its manifest, and how that was established (the run's repro.data_check)."""
+
+    root: Path
+    sha256: str  # of the sorted manifest: the dataset's identity
+    check: str
+
+
+def verify_tree(root: Path, entries: dict[str, str], deep: bool = False, cache: HashCache | None = None) -> str:
+    """Check every manifest entry under `root`; raise DataError naming the first bad file.
+
+    A file is hashed unless the cache holds the manifest's digest for it under the same stat key;
+    so a mismatch is always a fresh hash, never a stale cache entry. Returns which check ran.
+    """
     cache = cache or HashCache(cache_path())
     base = os.path.abspath(root) + os.sep
     files, stats, todo = [], [], []
@@ -115,16 +143,22 @@ def verify_tree(root: Path, entries: dict[str, str], deep: bool = False, cache: 
             raise DataError(f"{root / name}: missing (listed in the manifest of {root})") from None
         files.append(file)
         stats.append(stat)
-        if deep or cache.lookup(file, stat) is None:
+        if deep or cache.lookup(file, stat) != entries[name]:
             todo.append((file, stat))
+    hashed_at, fresh = time.time_ns(), {}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for (file, stat), digest in zip(todo, pool.map(sha256_file, [f for f, _ in todo])):
-            cache.store(file, stat, digest)
+            cache.store(file, stat, digest, hashed_at)
+            fresh[file] = digest
     cache.save()
     for file, stat, name in zip(files, stats, sorted(entries)):
-        got = cache.lookup(file, stat)
+        got = fresh.get(file) or cache.lookup(file, stat)
         if got != entries[name]:
             raise DataError(f"{root / name}: checksum mismatch (expected {entries[name][:16]}..., got {got[:16]}...)")
+    if deep or len(todo) == len(files):
+        return f"full: all {len(files)} files hashed"
+    return (f"quick: {len(todo)} of {len(files)} files hashed, the others unchanged since hashed "
+            "(same size, mtime, ctime, inode and device)")
 
 
 @dataclass(frozen=True)
@@ -157,14 +191,17 @@ class Dataset:
             raise DataError(f"{root}: no manifest ({path}); prepare it with: {self.prepare_hint}")
         return read_manifest(path)
 
-    def verify(self, deep: bool = False) -> tuple[Path, str]:
-        """(folder, dataset SHA-256) once every file matches; DataError naming the file otherwise."""
+    def verify(self, deep: bool = False) -> Verified:
+        """The folder and dataset SHA-256 once every file matches; DataError naming the file otherwise."""
         if self.synthetic:
-            return self.locate(), SYNTHETIC
+            return Verified(self.locate(), SYNTHETIC, "none: generated by the workload")
         root = self.locate()
         entries = self.manifest(root)
-        verify_tree(root, entries, deep=deep)
-        return root, manifest_digest(entries)
+        try:
+            check = verify_tree(root, entries, deep=deep)
+        except DataError as error:
+            raise DataError(f"{error}; make it again with: {self.prepare_hint}") from None
+        return Verified(root, manifest_digest(entries), check)
 
 
 def hash_tree(root: Path, names: Iterable[str]) -> dict[str, str]:

@@ -103,10 +103,10 @@ def prepare(name: str, root: Path) -> Path:
     """Make `name` under `root` unless an existing copy (here or staged) already verifies."""
     spec = dataset(name)
     try:
-        return spec.verify()[0]
+        return spec.verify().root
     except DataError:
         pass
     target = root / name
     target.mkdir(parents=True, exist_ok=True)
     spec.make(target)
-    return spec.verify(deep=True)[0]
+    return spec.verify(deep=True).root

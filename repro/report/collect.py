@@ -1,6 +1,8 @@
-"""From MLflow runs to one result per matrix cell (missing and failed cells included)."""
+"""From MLflow runs to one result per matrix cell (missing and failed cells included); the repeats
+of a cell are folded into one result with their median and a 95% interval."""
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,9 @@ class Result:
     model_state_bytes: float | None = None
     memory_method: str = ""
     resumed_from_step: str = ""  # set when the run was stopped and continued from a checkpoint
+    step_s: dict[str, list[float]] = field(default_factory=dict)  # median, p10, p90 -> per-epoch values
+    seeds: list[int] = field(default_factory=list)  # master seed of each finished repeat
+    repeat_epoch_s: list[float] = field(default_factory=list)  # each finished repeat's median epoch time
 
     @property
     def ok(self) -> bool:
@@ -33,8 +38,24 @@ class Result:
 
     @property
     def epoch_time(self) -> float | None:
-        """Median epoch time: robust to a slow first epoch."""
+        """Median epoch time (robust to a slow first epoch); over repeats, the median of theirs."""
+        if self.repeat_epoch_s:
+            return statistics.median(self.repeat_epoch_s)
         return statistics.median(self.epoch_s) if self.epoch_s else None
+
+    def step_time(self, key: str = "median") -> float | None:
+        """The median over epochs of the epochs' step-time `key` (median, p10 or p90)."""
+        values = self.step_s.get(key)
+        return statistics.median(values) if values else None
+
+    def epoch_interval(self) -> tuple[float, float, float] | None:
+        """(low, high, coverage) of the median epoch time over the repeats (None with fewer than 2)."""
+        return median_interval(self.repeat_epoch_s) if len(self.repeat_epoch_s) >= 2 else None
+
+    def separated_from(self, other: "Result") -> bool:
+        """Whether the two cells' epoch-time intervals do not overlap (False without repeats)."""
+        mine, theirs = self.epoch_interval(), other.epoch_interval()
+        return bool(mine and theirs and (mine[1] < theirs[0] or theirs[1] < mine[0]))
 
     @property
     def mean_throughput(self) -> float | None:
@@ -53,6 +74,37 @@ class Result:
             if (value >= self.target) if higher else (value <= self.target):
                 return elapsed
         return None
+
+
+def not_separable(a: Result, b: Result) -> str | None:
+    """"not separable at N repeats" when both cells were repeated and their intervals overlap, else None."""
+    if a.epoch_interval() and b.epoch_interval() and not a.separated_from(b):
+        return f"not separable at {min(len(a.repeat_epoch_s), len(b.repeat_epoch_s))} repeats"
+    return None
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """Distribution-free interval for the median from order statistics (the sign test), with its
+    coverage: the narrowest [x_(k), x_(n+1-k)] covering at least `level`. Below 6 values no pair of
+    order statistics reaches 95%; then it is [min, max] and the coverage says what it is (75% at 3)."""
+    ordered, n = sorted(values), len(values)
+    below = lambda k: sum(math.comb(n, i) for i in range(k)) / 2**n  # P(fewer than k values below the median)
+    k = 1
+    while k + 1 <= n // 2 and 1 - 2 * below(k + 1) >= level:
+        k += 1
+    return ordered[k - 1], ordered[n - k], 1 - 2 * below(k)
+
+
+def fold_repeats(results: list[Result]) -> list[Result]:
+    """One result per cell: the first repeat's, carrying every finished repeat's epoch time and seed."""
+    folded: dict[tuple[str, str, int], Result] = {}
+    for r in results:
+        key = (r.cell.workload, r.cell.row, r.cell.gpus)
+        first = folded.setdefault(key, r)
+        if r.ok and r.cell.recipe:
+            first.repeat_epoch_s.append(statistics.median(r.epoch_s))
+            first.seeds.append(r.cell.recipe.seed)
+    return list(folded.values())
 
 
 def search_runs(uri: str, experiment: str) -> list[Any]:
@@ -84,7 +136,7 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             continue
         run = newest.get(cell.recipe.fingerprint())
         if run is None:
-            results.append(Result(cell, "missing", error="no run in MLflow for this recipe"))
+            results.append(Result(cell, "missing", error=cell.skip or "no run in MLflow for this recipe"))
             continue
         key, _ = METRIC[cell.workload]
         run_id = run.info.run_id
@@ -99,5 +151,6 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             model_state_bytes=run.data.metrics.get(events.MODEL_STATE),
             memory_method=run.data.tags.get("repro.memory_method", ""),
             resumed_from_step=run.data.tags.get("repro.resumed_from_step", ""),
+            step_s={k: history(mlflow_client, run_id, events.STEP_TIME.format(k)) for k in ("median", "p10", "p90")},
         ))
-    return results
+    return fold_repeats(results)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import yaml
 
 from repro.recipe import configs_dir
-from repro.report.collect import METRIC, Result
+from repro.report.collect import METRIC, Result, not_separable
 
 HOLDS, FAILS, UNKNOWN = "holds", "does not hold", "not enough data"
 DATA_PARALLEL = ("ddp", "zero", "lbann")
@@ -152,6 +152,10 @@ def pipelines_slowest(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
             if len(cells) < t["min_rows"] or not present:
                 continue
             ranking = sorted(cells, key=lambda row: cells[row].epoch_time, reverse=True)
+            blurred = {not_separable(cells[p], cells[q]) for p in ranking[: len(present)] for q in ranking[len(present):]} - {None}
+            if blurred:  # repeated cells whose epoch-time intervals overlap: no ranking to judge
+                notes.append(f"{w} {g} GPUs: {min(blurred)} between the slowest rows and the others")
+                continue
             slowest = set(ranking[: len(present)]) == set(present)
             verdicts.append(HOLDS if slowest else FAILS)
             notes.append(f"{w} {g} GPUs, slowest first: " + ", ".join(f"{row} {cells[row].epoch_time:.2f}s" for row in ranking))

@@ -9,7 +9,8 @@ from typing import Any
 from repro.report.collect import Result
 
 RESULT_COLUMNS = [
-    "workload", "framework", "gpus", "status", "epoch_s", "speedup", "samples_per_s", "peak_memory_mib",
+    "workload", "framework", "gpus", "status", "epoch_s", "epoch_s_low", "epoch_s_high", "repeats", "speedup",
+    "step_median_ms", "step_p10_ms", "step_p90_ms", "samples_per_s", "peak_memory_mib",
     "model_state_mib", "memory_method", "final_metric", "time_to_target_s", "note",
 ]
 PLATFORM_COLUMNS = [
@@ -22,10 +23,28 @@ def _mib(value: float | None) -> float | None:
     return None if value is None else value / 2**20
 
 
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1e3
+
+
+def spread(r: Result) -> dict[str, Any]:
+    """Repeats and the interval of the median epoch time (its coverage in the note), step times in ms."""
+    interval = r.epoch_interval()
+    return {
+        "epoch_s_low": interval[0] if interval else None, "epoch_s_high": interval[1] if interval else None,
+        "repeats": len(r.repeat_epoch_s) or None,
+        **{f"step_{key}_ms": _ms(r.step_time(key)) for key in ("median", "p10", "p90")},
+    }
+
+
 def note(r: Result) -> str:
     """Why a cell has no numbers, or that its times span a stop and a resume."""
     if r.ok:
-        return f"resumed from step {r.resumed_from_step}" if r.resumed_from_step else ""
+        notes = [f"resumed from step {r.resumed_from_step}"] if r.resumed_from_step else []
+        interval = r.epoch_interval()
+        if interval:
+            notes.append(f"epoch_s interval: {interval[2]:.0%} coverage; seeds {', '.join(map(str, r.seeds))}")
+        return "; ".join(notes)
     return r.error.strip().splitlines()[-1][:120] if r.error else r.status
 
 
@@ -40,7 +59,7 @@ def result_rows(results: list[Result]) -> list[dict[str, Any]]:
         first = base.get((r.cell.workload, r.cell.row))
         rows.append({
             "workload": r.cell.workload, "framework": r.cell.row, "gpus": r.cell.gpus, "status": r.status,
-            "epoch_s": r.epoch_time, "speedup": first / r.epoch_time if r.ok and first else None,
+            "epoch_s": r.epoch_time, **spread(r), "speedup": first / r.epoch_time if r.ok and first else None,
             "samples_per_s": r.mean_throughput, "peak_memory_mib": _mib(r.peak_bytes),
             "model_state_mib": _mib(r.model_state_bytes), "memory_method": r.memory_method,
             "final_metric": r.final_metric, "time_to_target_s": r.time_to_target(),

@@ -11,7 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from repro.recipe import DataSpec
+from repro.recipe import DataSpec, Recipe
+from repro.schema import RecipeError
+
+
+SYNTHETIC_TRAIN, SYNTHETIC_VAL = 512, 64  # samples of the synthetic data set unless data.max_*_samples say
 
 
 class Workload:
@@ -20,6 +24,14 @@ class Workload:
     ModelSpec: type
     metric: str  # the validation metric's name, "accuracy" or "perplexity"
     higher_is_better: bool
+    supported_datasets: tuple[str, ...]  # what `data.dataset` may name for this workload
+
+    @classmethod
+    def check(cls, recipe: Recipe, source: str) -> None:
+        """Cross-field rules of the model section and the dataset; RecipeError naming the field."""
+        if recipe.data.dataset not in cls.supported_datasets:
+            raise RecipeError(source, "data.dataset", f"{recipe.workload} trains on "
+                              f"{', '.join(cls.supported_datasets)}, not {recipe.data.dataset!r}")
 
     def __init__(self, spec: Any, data: DataSpec, data_dir: Path | None):
         self.spec, self.data, self.data_dir = spec, data, data_dir
@@ -33,9 +45,22 @@ class Workload:
 
         if self.data.dataset == SYNTHETIC:
             generator = torch.Generator().manual_seed(0)
-            return (self.random_samples(synthetic_size(self.data.max_train_samples, 512), generator),
-                    self.random_samples(synthetic_size(self.data.max_val_samples, 64), generator))
+            return (self.random_samples(synthetic_size(self.data.max_train_samples, SYNTHETIC_TRAIN), generator),
+                    self.random_samples(synthetic_size(self.data.max_val_samples, SYNTHETIC_VAL), generator))
         return self.real_datasets()
+
+    def train_samples(self) -> int:
+        """The training samples there are at most, counted without loading them (checked before launch)."""
+        from repro.data import SYNTHETIC
+
+        if self.data.dataset == SYNTHETIC:
+            return synthetic_size(self.data.max_train_samples, SYNTHETIC_TRAIN)
+        limit = self.data.max_train_samples
+        return self.real_train_samples() if limit is None else min(limit, self.real_train_samples())
+
+    def real_train_samples(self) -> int:
+        """An upper bound of the real training split's samples, from file sizes or names."""
+        raise NotImplementedError
 
     def real_datasets(self) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
         raise NotImplementedError

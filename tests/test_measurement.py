@@ -1,0 +1,145 @@
+"""Measuring without disturbing: the loop's host synchronisations per step are counted and fixed, and
+step times come out as a distribution. One in-process rank on gloo; about 10 s."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from repro import events, loop
+from repro.data.sets import dataset
+from repro.metrics import WARMUP_STEPS, step_time_summary
+from repro.recipe import load_file, recipe_path
+
+STEPS = 40  # 320 samples / batch 8: one epoch, two full windows of loop.SYNC_EVERY and a partial one
+# Tensor methods that wait for the device, and collectives that wait for peers.
+TENSOR_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+COLLECTIVES = ("all_reduce", "barrier", "all_gather_object", "broadcast", "all_gather", "reduce")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A one-rank DDP trainer of the smoke GPT-2 in this process, on its own gloo process group."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    threads = torch.get_num_threads()
+    recipe = load_file(recipe_path("gpt2", "smoke"), [
+        "run.framework=ddp", "run.gpus=1", "train.epochs=1", "data.max_train_samples=320", "data.max_val_samples=32",
+    ])
+    built = loop.Trainer(recipe, tmp_path, dataset(recipe.data.dataset).locate())
+    yield built
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_num_threads(threads)
+
+
+def observe_loop_syncs(trainer: loop.Trainer, monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Counts, by name, every tensor read and collective that the trainer itself calls during the timed steps."""
+    seen: Counter = Counter()
+
+    def watch(owner: object, name: str) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            caller = sys._getframe(1)  # the trainer's own methods (its sampler slices CPU index tensors)
+            if caller.f_locals.get("self") is trainer and trainer.phase == "steps":
+                seen[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    for name in TENSOR_READS:
+        watch(torch.Tensor, name)
+    for name in COLLECTIVES:
+        watch(dist, name)
+    return seen
+
+
+def test_the_loop_synchronises_once_per_window_and_reads_only_the_stop_vote_per_step(trainer, monkeypatch):
+    seen = observe_loop_syncs(trainer, monkeypatch)
+    assert trainer.run() == 0
+    assert trainer.window == loop.SYNC_EVERY == 16
+    # Per step but the first: the stop vote started after the previous step (a CPU tensor: no device
+    # wait); per window of 16 steps: one read of the reduced losses.
+    windows, votes_read = STEPS // loop.SYNC_EVERY, STEPS - 1
+    steps = {site: count for site, count in trainer.host_syncs.items() if site.startswith("steps/")}
+    assert steps == {"steps/loss": windows, "steps/stop": votes_read}
+    # Nothing in the loop reads a tensor or calls a collective in the timed steps without counting it.
+    assert sum(seen.values()) == sum(steps.values()), seen
+    assert trainer.host_syncs["epoch/loss"] == 1  # the partial window (steps 33-40), after the epoch timer
+
+
+def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distribution(trainer):
+    assert trainer.run() == 0
+    trainer.close(clean=True)
+    written = events.read_all(trainer.run_dir / events.EVENTS_FILE)
+    steps = [e for e in written if e["event"] == events.STEP]
+    assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
+    assert all(0 < e["loss"] < 10 for e in steps) and steps[-1]["loss"] < steps[0]["loss"]
+    (epoch,) = [e for e in written if e["event"] == events.EPOCH]
+    step_s = epoch["step_s"]
+    assert step_s["count"] == STEPS - WARMUP_STEPS and step_s["warmup"] == WARMUP_STEPS
+    assert 0 < step_s["p10"] <= step_s["median"] <= step_s["p90"]
+    assert step_s["mean"] * step_s["count"] < epoch["epoch_s"]  # warm-up steps are left out
+    (end,) = [e for e in written if e["event"] == events.END]
+    assert end["host_syncs"]["steps/loss"] == STEPS // loop.SYNC_EVERY
+
+
+def test_step_time_summary_gives_median_deciles_and_count():
+    summary = step_time_summary([float(i) for i in range(1, 12)])  # 1..11 s
+    assert summary == {"median": 6.0, "p10": 2.0, "p90": 10.0, "mean": 6.0, "count": 11}
+    assert step_time_summary([])["count"] == 0 and step_time_summary([0.5])["p90"] == 0.5
+    json.dumps(summary)  # goes into the epoch event as it is
+
+
+# -- repeats ------------------------------------------------------------------------------------------
+
+def test_repeats_run_with_their_own_seeds_and_the_first_keeps_the_recipe_fingerprint():
+    from repro import table2
+
+    matrix = table2.load_matrix(rows=["ddp"])
+    once, thrice = table2.expand(matrix, "smoke"), table2.expand(matrix, "smoke", repeats=3)
+    assert len(thrice) == 3 * len(once)
+    first, second, third = thrice[:3]
+    assert [c.recipe.seed for c in (first, second, third)] == [1234, 2234, 3234]
+    assert first.recipe.fingerprint() == once[0].recipe.fingerprint()  # a store without repeats is reused
+    assert len({c.recipe.fingerprint() for c in thrice}) == len(thrice)  # each repeat resumes on its own
+    assert (first.label, third.label) == ("gpt2 ddp 1g", "gpt2 ddp 1g #3")
+
+
+def test_median_interval_is_the_sign_test_interval_with_its_coverage():
+    from repro.report.collect import median_interval
+
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)  # 3 repeats: min..max covers 75%
+    low, high, coverage = median_interval([float(i) for i in range(10)])
+    assert (low, high) == (1.0, 8.0) and coverage == pytest.approx(1 - 2 * 11 / 1024)
+
+
+def test_repeats_fold_into_one_result_and_times_compare_only_when_intervals_separate():
+    from repro import table2
+    from repro.report.collect import Result, fold_repeats, not_separable
+
+    matrix = table2.load_matrix(rows=["ddp", "zero"])
+    cells = [c for c in table2.expand(matrix, "smoke", repeats=3) if c.gpus == 2 and c.workload == "gpt2"]
+    times = {"ddp": [1.0, 1.1, 1.2], "zero": [1.15, 1.3, 1.4]}
+    results = [Result(c, "FINISHED", epoch_s=[times[c.row][c.repeat]] * 2) for c in cells]
+    ddp, zero = fold_repeats(results)
+    assert (ddp.repeat_epoch_s, ddp.seeds, ddp.epoch_time) == ([1.0, 1.1, 1.2], [1234, 2234, 3234], 1.1)
+    assert ddp.epoch_interval() == (1.0, 1.2, 0.75)
+    assert not_separable(ddp, zero) == "not separable at 3 repeats"  # 1.0-1.2 overlaps 1.15-1.4
+    zero.repeat_epoch_s = [1.25, 1.3, 1.4]
+    assert ddp.separated_from(zero) and not_separable(ddp, zero) is None
