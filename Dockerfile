@@ -1,22 +1,20 @@
-# syntax=docker/dockerfile:1.7
-# The kit's image: every framework of the comparison on one pinned CUDA PyTorch base.
-# Build with `make image BASE_DIGEST=sha256:...` (docs/containers.md); lint: tests/test_containers.py.
+# The kit's image: every framework of the comparison on one pinned base, addressed by digest.
+# Build with `make image BASE_DIGEST=sha256:...` (docs/containers.md): it also labels the image with
+# what the build really produced (docker/labels.py). Lint and build tests: tests/test_containers.py,
+# tests/test_image.py. No `# syntax=` line: Docker's built-in frontend builds this file, so air-gapped
+# sites need no frontend image from Docker Hub.
 #
-# Base: pytorch/pytorch:2.14.1-cuda13.0-cudnn9-devel (Ubuntu 24.04, system Python 3.12, no conda).
-#   - torch 2.14.1+cu130: the very version requirements.txt pins, so `make install-requirements`
-#     keeps the base's torch instead of downloading a second one, and CI and the image run the same
-#     torch. Its wheel dependencies bring the CUDA 13.0 runtime, cuDNN 9 and NCCL 2.30 (nvidia-nccl-cu13),
-#     the same libraries as CI's torch wheel; `repro doctor` prints the versions it finds.
-#   - the devel variant adds nvcc 13.0, which DeepSpeed needs to compile its CUDA ops below.
-#   - Not an NGC release: those carry NVIDIA's own torch builds (2.x.0a0+nv..), which requirements.txt
-#     cannot pin, so the image and CI would train with different torch code.
-#   - CUDA 13 no longer supports Volta (sm_70): the paper's V100s need a CUDA 12 base.
-# The digest is a required build argument: no digest of this tag could be looked up where this file
-# was written (no registry access), and a made-up one would pin nothing. `make image` prints how to
-# look it up; the image records it in its labels.
+# Base: any image with python3 (3.10 or later) and apt, with or without torch.
+#   - Default pytorch/pytorch:2.14.1-cuda13.0-cudnn9-devel: torch 2.14.1+cu130, the version
+#     requirements.txt pins, so the pip step keeps the base's torch; its devel variant brings nvcc
+#     for DeepSpeed's CUDA ops.
+#   - A plain distribution or CUDA base works too: torch then comes from requirements.txt (PyPI's
+#     wheel, with its CUDA runtime, cuDNN and NCCL). tests/test_image.py builds from a Debian base.
+#   - Volta (V100): CUDA 13 dropped sm_70; docs/containers.md gives the arguments for a CUDA 12 torch.
+# The digest is a required build argument: a tag alone pins nothing.
 ARG BASE_IMAGE=pytorch/pytorch:2.14.1-cuda13.0-cudnn9-devel
 ARG BASE_DIGEST
-# LBANN takes hours to build: WITH_LBANN=0 leaves it out (`repro list` then shows it unavailable).
+# LBANN takes hours to build: WITH_LBANN=0 leaves it out (`repro list` then says it is not in this image).
 ARG WITH_LBANN=1
 ARG LBANN_VERSION=0.104
 # Spack v0.23.1: the last release that bundles its package recipes, lbann@0.104's among them.
@@ -25,10 +23,6 @@ ARG SPACK_COMMIT=2bfcc69fa870d3c6919be87593f22647981b648a
 FROM ${BASE_IMAGE}@${BASE_DIGEST} AS base
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
-# make runs the kit's install targets; g++ compiles DeepSpeed's ops and LBANN; git fetches Spack.
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends make g++ git ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
 
 # ---- LBANN 0.104, built by Spack in a stage of its own ----------------------------------------------
 # It depends on the base only, so editing the kit never rebuilds it.
@@ -39,7 +33,7 @@ ARG SPACK_COMMIT
 ARG SOURCE_DATE_EPOCH
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gfortran file unzip xz-utils bzip2 patch \
+    && apt-get install -y --no-install-recommends g++ git make gfortran file unzip xz-utils bzip2 patch \
     && rm -rf /var/lib/apt/lists/*
 RUN git init --quiet /opt/spack \
     && git -C /opt/spack fetch --quiet --depth 1 https://github.com/spack/spack.git "${SPACK_COMMIT}" \
@@ -55,6 +49,7 @@ RUN . /opt/spack/share/spack/setup-env.sh \
     && spack -e /opt/lbann install --fail-fast \
     && spack -e /opt/lbann gc --yes-to-all \
     && spack clean --all \
+    && printf 'lbann=%s\nspack-commit=%s\n' "${LBANN_VERSION}" "${SPACK_COMMIT}" > /opt/lbann/build-info \
     && mkdir /opt/lbann/frontend \
     && ln -s "$(/opt/lbann/view/bin/python3 -c 'import lbann, os; print(os.path.dirname(lbann.__file__))')" \
         /opt/lbann/frontend/lbann
@@ -71,39 +66,68 @@ FROM lbann-${WITH_LBANN} AS lbann
 FROM base AS kit
 # GPU architectures to compile CUDA code for (A100 and H100/H200 by default).
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
-# Build steps see it as an environment variable: wheels built here get the commit's timestamps.
-ARG SOURCE_DATE_EPOCH
-# DeepSpeed prebuilds the ops ZeRO uses (fused and CPU Adam, fused LAMB, flatten utilities), so no
-# rank compiles them at run time. The build has no GPU, so the accelerator is named, not detected.
-ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} DS_ACCELERATOR=cuda \
-    DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_LAMB=1 DS_BUILD_UTILS=1 \
+# DeepSpeed's ops to prebuild, so no rank compiles them at run time; CUDA ops (fused_adam,
+# fused_lamb) need nvcc in the base. The build has no GPU, so the accelerator is named, not detected
+# (DS_ACCELERATOR=cpu for a base without CUDA). docker/labels.py lists the ops really built.
+ARG DEEPSPEED_OPS="cpu_adam fused_adam fused_lamb utils"
+ARG DS_ACCELERATOR=cuda
+# The CPU the compiled ops target: DeepSpeed asks for the build machine's (-march=native, AVX-512
+# when it has it); docker/target-cxx replaces that with this portable target (x86-64-v3: AVX2).
+ARG CPU_TARGET="-march=x86-64-v3 -D__AVX256__"
+# Wikitext-2 fetched from the Hugging Face Hub into the image (needs the Hub; docs/containers.md
+# adds it offline instead). Digits are generated, so they are always staged.
+ARG STAGE_WIKITEXT=0
+ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} DS_ACCELERATOR=${DS_ACCELERATOR} \
+    CC=/usr/local/bin/target-cc CXX=/usr/local/bin/target-cxx REPRO_CPU_TARGET=${CPU_TARGET} \
     PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# A virtual environment that sees the base's packages: torch comes from the base, the rest from pip.
-RUN python3 -m venv --without-pip --system-site-packages /opt/venv
+# Build tools, in this stage only: make runs the install targets, g++ compiles DeepSpeed's ops against
+# Python.h (python3-dev when the base's Python lacks its headers), python3-venv when it lacks ensurepip.
+RUN include="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends make g++ \
+    && { [ -f "${include}/Python.h" ] || apt-get install -y --no-install-recommends python3-dev; } \
+    && { python3 -c 'import ensurepip' 2>/dev/null || apt-get install -y --no-install-recommends python3-venv; } \
+    && rm -rf /var/lib/apt/lists/* \
+    && test -f "${include}/Python.h"
+COPY docker/target-cxx docker/target-cc /usr/local/bin/
+# A virtual environment that sees the base's packages: a base's torch is kept, pip brings the rest.
+RUN python3 -m venv --system-site-packages /opt/venv
 WORKDIR /src
 # Dependencies first and source second, in two layers, so that editing the kit does not recompile
 # DeepSpeed: the two targets are exactly what `make install` runs in CI.
 # DeepSpeed builds its ops only when its setup can import torch: no build isolation for this step
 # (PIP_NO_BUILD_ISOLATION=0 is pip's spelling of --no-build-isolation).
+# The optional secret `ca` is a CA bundle for sites that inspect TLS: pip trusts it for this step
+# only, and it is never written to a layer.
 COPY requirements.txt Makefile ./
-RUN PIP_NO_BUILD_ISOLATION=0 make install-requirements PYTHON=/opt/venv/bin/python
+COPY docker/with-ca /usr/local/bin/with-ca
+# SC3059 (case modification is not POSIX): the shell is bash (SHELL of the base stage, inherited).
+# hadolint ignore=SC3059
+RUN --mount=type=secret,id=ca \
+    for op in ${DEEPSPEED_OPS}; do export "DS_BUILD_${op^^}=1"; done \
+    && PIP_NO_BUILD_ISOLATION=0 with-ca make install-requirements PYTHON=/opt/venv/bin/python
 COPY pyproject.toml README.md ./
 COPY repro ./repro
-# Then the smoke image set, staged read-only in the image so a first run needs no data.
-RUN make install-kit PYTHON=/opt/venv/bin/python EDITABLE= \
-    && REPRO_DATA=/opt/repro/data /opt/venv/bin/repro data prepare digits
+# The kit's wheel gets the commit's timestamps; declared here, after the dependency layer, so that a
+# new commit does not invalidate it.
+ARG SOURCE_DATE_EPOCH
+# Then the smoke data, staged read-only in the image so a first run needs no data.
+RUN --mount=type=secret,id=ca \
+    with-ca make install-kit PYTHON=/opt/venv/bin/python EDITABLE= \
+    && export REPRO_DATA=/opt/repro/data REPRO_STAGED_DATA=/nonexistent \
+    && /opt/venv/bin/repro data prepare digits \
+    && if [ "${STAGE_WIKITEXT}" = 1 ]; then with-ca /opt/venv/bin/repro data prepare wikitext-2; fi \
+    && rm -rf /opt/repro/data/.cache
 
-# ---- the image users run ---------------------------------------------------------------------------
+# ---- the image users run: the kit's venv on the bare base, no compilers or test tools ---------------
 FROM base AS runtime
 ARG BASE_IMAGE
 ARG BASE_DIGEST
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
 ARG REPRO_IMAGE=repro:dev
 ARG REPRO_GIT_SHA=unknown
-ARG WITH_LBANN
-ARG LBANN_VERSION
-ARG SPACK_COMMIT
-# Versions of every framework, equal to requirements.txt (tests/test_containers.py checks it).
+# What the build was asked for; `make image` adds labels for what it produced (docker/labels.py:
+# Python, torch, CUDA, cuDNN, every pinned framework, DeepSpeed's built ops, LBANN when built).
 LABEL org.opencontainers.image.title="repro" \
       org.opencontainers.image.description="Re-run the evaluation of parallel deep-learning frameworks (Nichols et al., 2021)" \
       org.opencontainers.image.version="0.1.0" \
@@ -111,20 +135,7 @@ LABEL org.opencontainers.image.title="repro" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       org.opencontainers.image.base.digest="${BASE_DIGEST}" \
-      io.repro.python="3.12" \
-      io.repro.cuda="13.0" \
-      io.repro.cuda-arch-list="${TORCH_CUDA_ARCH_LIST}" \
-      io.repro.torch="2.14.1" \
-      io.repro.torchvision="0.29.1" \
-      io.repro.deepspeed="0.19.8" \
-      io.repro.deepspeed-ops="fused_adam,cpu_adam,fused_lamb,utils" \
-      io.repro.megatron-core="0.16.1" \
-      io.repro.torchgpipe="0.0.7" \
-      io.repro.datasets="5.2.0" \
-      io.repro.mlflow="3.17.2" \
-      io.repro.lbann="${LBANN_VERSION}" \
-      io.repro.with-lbann="${WITH_LBANN}" \
-      io.repro.spack-commit="${SPACK_COMMIT}"
+      io.repro.cuda-arch-list="${TORCH_CUDA_ARCH_LIST}"
 COPY --from=kit /opt/venv /opt/venv
 COPY --from=kit /opt/repro/data /opt/repro/data
 COPY --from=lbann /opt/lbann /opt/lbann
@@ -135,20 +146,21 @@ RUN if [ -d /opt/lbann/frontend ]; then \
         echo /opt/lbann/frontend > "$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/lbann-frontend.pth"; \
     fi
 # REPRO_IMAGE and REPRO_GIT_SHA: `repro doctor` reports them and every run is tagged with them.
+# Everything a run writes (data/, runs/, reports/, mlflow.db, mlruns/, caches) goes to the working
+# directory: mount a host folder there, or let Apptainer use the current one (docs/containers.md).
 ENV PATH=/opt/venv/bin:${PATH}:/opt/lbann/view/bin \
     VIRTUAL_ENV=/opt/venv \
     LBANN_PYTHON=/opt/lbann/view/bin/python3 \
     PYTHONNOUSERSITE=1 \
     PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
     REPRO_IMAGE=${REPRO_IMAGE} \
     REPRO_GIT_SHA=${REPRO_GIT_SHA} \
     REPRO_CONFIGS=/opt/repro/configs \
-    REPRO_STAGED_DATA=/opt/repro/data \
-    REPRO_DATA=/data
-# Ubuntu 24.04 already has uid 1000 (ubuntu); runs and data go to /work and /data (volumes).
+    REPRO_STAGED_DATA=/opt/repro/data
+# Any uid may run it (`docker run --user`, Apptainer): /work is writable by all, like /tmp.
 RUN useradd --create-home --uid 10001 --user-group repro \
-    && mkdir -p /work/runs /data \
-    && chown -R repro:repro /work /data
+    && mkdir -m 1777 /work
 USER 10001:10001
 WORKDIR /work
 ENTRYPOINT ["repro"]

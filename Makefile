@@ -7,14 +7,39 @@ PYTEST_ARGS ?=
 EDITABLE ?= --editable
 # The image installs the runtime pins only; a checkout also gets the test and lint tools.
 REQUIREMENTS ?= requirements.txt
-# Containers: image name and tag, the pinned base (see Dockerfile), GPU architectures, LBANN on or off.
+# pip itself, pinned: the image and CI install with the same pip.
+PIP_VERSION ?= 26.3
+# Containers (docs/containers.md): image name and tag, the base pinned by digest, an optional CA bundle
+# for pip behind TLS inspection (a build secret, never stored in the image), DeepSpeed's ops and the
+# accelerator they are built for, GPU architectures, LBANN on or off, wikitext-2 from the Hub.
+DOCKER ?= docker
 IMAGE ?= repro
 TAG ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo dev)
 GIT_SHA ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
+BASE_IMAGE ?= pytorch/pytorch:2.14.1-cuda13.0-cudnn9-devel
 BASE_DIGEST ?=
+CA_BUNDLE ?=
+DEEPSPEED_OPS ?= cpu_adam fused_adam fused_lamb utils
+DS_ACCELERATOR ?= cuda
 TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
 WITH_LBANN ?= 1
+STAGE_WIKITEXT ?= 0
+IMAGE_BUILD = DOCKER_BUILDKIT=1 $(DOCKER) build \
+	--build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg BASE_DIGEST=$(BASE_DIGEST) \
+	$(if $(CA_BUNDLE),--secret id=ca$(,)src=$(CA_BUNDLE)) \
+	--build-arg DEEPSPEED_OPS="$(DEEPSPEED_OPS)" --build-arg DS_ACCELERATOR=$(DS_ACCELERATOR) \
+	--build-arg TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" \
+	--build-arg WITH_LBANN=$(WITH_LBANN) --build-arg STAGE_WIKITEXT=$(STAGE_WIKITEXT) \
+	--build-arg SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) \
+	--build-arg REPRO_IMAGE=$(IMAGE):$(TAG) --build-arg REPRO_GIT_SHA=$(GIT_SHA) \
+	--tag $(IMAGE):$(TAG) --tag $(IMAGE):latest
+, := ,
+# Compose: the v2 plugin (`docker compose`) where it exists, else docker-compose; GPUS=1 reserves the
+# GPUs for the repro service (docker/compose.gpu.yml), COMPOSE_FILES adds others.
+COMPOSE ?= $(shell $(DOCKER) compose version >/dev/null 2>&1 && echo "$(DOCKER) compose" || echo docker-compose)
+GPUS ?= 0
+COMPOSE_FILES ?= -f docker-compose.yml $(if $(filter 1,$(GPUS)),-f docker/compose.gpu.yml)
 SIF ?= repro.sif
 MLFLOW_PORT ?= 5000
 MLFLOW_STORE ?= sqlite:///mlflow.db
@@ -37,8 +62,10 @@ lbann-python:  ## create .venv-lbann: LBANN 0.104's own Python (protobuf 4.21, n
 
 install: install-requirements install-kit  ## install pinned requirements and the kit into $(PYTHON) (the image runs these same two steps)
 
+# torch first: DeepSpeed's setup compiles the ops it is asked for (the image's DS_BUILD_*) against it.
 install-requirements:  ## the pinned $(REQUIREMENTS) only (the image's dependency layer)
-	$(PYTHON) -m pip install --upgrade pip
+	$(PYTHON) -m pip install pip==$(PIP_VERSION)
+	$(PYTHON) -m pip install $$(grep '^torch==' requirements.txt)
 	$(PYTHON) -m pip install -r $(REQUIREMENTS)
 
 install-kit:  ## the kit itself, without dependencies (the image's source layer)
@@ -61,24 +88,19 @@ mlflow-ui:  ## browse the runs of MLFLOW_STORE (default: the embedded sqlite fil
 	@$(PYTHON) -c 'from repro import tracking; print("runs view:", tracking.runs_view("$(MLFLOW_STORE)", "$(EXPERIMENT)", "http://127.0.0.1:$(MLFLOW_PORT)"))'
 	$(PYTHON) -m mlflow ui --backend-store-uri $(MLFLOW_STORE) --host 127.0.0.1 --port $(MLFLOW_PORT)
 
-image:  ## build the container image $(IMAGE):$(TAG) (needs BASE_DIGEST; see docs/containers.md)
+image:  ## build $(IMAGE):$(TAG) from BASE_IMAGE@BASE_DIGEST, labelled with what it contains (docs/containers.md)
 	@test -n "$(BASE_DIGEST)" || { echo "BASE_DIGEST is not set: pin the base image, e.g." \
 		"make image BASE_DIGEST=\$$(docker buildx imagetools inspect --format '{{json .Manifest.Digest}}'" \
-		"pytorch/pytorch:2.14.1-cuda13.0-cudnn9-devel | tr -d '\"')"; exit 2; }
-	DOCKER_BUILDKIT=1 docker build \
-		--build-arg BASE_DIGEST=$(BASE_DIGEST) \
-		--build-arg TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" \
-		--build-arg WITH_LBANN=$(WITH_LBANN) \
-		--build-arg SOURCE_DATE_EPOCH=$(SOURCE_DATE_EPOCH) \
-		--build-arg REPRO_IMAGE=$(IMAGE):$(TAG) \
-		--build-arg REPRO_GIT_SHA=$(GIT_SHA) \
-		--tag $(IMAGE):$(TAG) --tag $(IMAGE):latest .
+		"$(BASE_IMAGE) | tr -d '\"')"; exit 2; }
+	$(IMAGE_BUILD) .
+	$(IMAGE_BUILD) $$($(DOCKER) run --rm -i --entrypoint python $(IMAGE):$(TAG) - < docker/labels.py) .
 
 sif:  ## build the Apptainer image $(SIF) from $(IMAGE):$(TAG) in the local Docker daemon
 	apptainer build --build-arg FROM=$(IMAGE):$(TAG) $(SIF) apptainer.def
 
 compose-up:  ## start PostgreSQL, the MLflow server (http://127.0.0.1:$(MLFLOW_PORT)) and a smoke run of the image
-	REPRO_TAG=$(TAG) MLFLOW_PORT=$(MLFLOW_PORT) docker compose up --build
+	COMPOSE_DOCKER_CLI_BUILD=1 DOCKER_BUILDKIT=1 REPRO_TAG=$(TAG) MLFLOW_PORT=$(MLFLOW_PORT) \
+		$(COMPOSE) $(COMPOSE_FILES) up --build
 
 clean:  ## remove runs, reports and the local MLflow store
 	rm -rf runs reports mlflow.db mlruns

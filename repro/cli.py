@@ -303,7 +303,7 @@ def list_() -> None:
     width = max(map(len, registry.FRAMEWORKS))
     for name, entry in registry.FRAMEWORKS.items():
         missing = entry.missing()
-        state = "available" if not missing else f"unavailable (missing {', '.join(missing)}: {entry.install_hint})"
+        state = "available" if not missing else f"unavailable (missing {', '.join(missing)}: {entry.hint()})"
         click.echo(f"  {name:<{width}} {entry.parallelism:<32} {state}")
     click.echo("recipes:")
     for path in (recipe_path(model, scale) for model in MODELS for scale in SCALES):

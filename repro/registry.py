@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import shutil
 from dataclasses import dataclass
 
@@ -21,12 +22,17 @@ class FrameworkEntry:
     needs_modules: tuple[str, ...] = ()
     needs_programs: tuple[str, ...] = ()
     install_hint: str = ""
+    image_hint: str = ""  # inside the kit's image ($REPRO_IMAGE set), when the image was built without it
 
     def missing(self) -> list[str]:
-        """What this framework needs that is not installed here (empty when available)."""
+        """What this framework needs that is not installed here (empty when available), each name once."""
         gone = [m for m in self.needs_modules if importlib.util.find_spec(m) is None]
         gone += [p for p in self.needs_programs if shutil.which(p) is None]
         return list(dict.fromkeys(gone))  # LBANN's module and program share one name: say it once
+
+    def hint(self) -> str:
+        """How to get what is missing, here: the install hint, or inside the image how to rebuild it."""
+        return self.image_hint if self.image_hint and os.environ.get("REPRO_IMAGE") else self.install_hint
 
 
 FRAMEWORKS: dict[str, FrameworkEntry] = {
@@ -49,6 +55,7 @@ FRAMEWORKS: dict[str, FrameworkEntry] = {
         FrameworkEntry(
             "lbann", "repro.adapters.lbann:LBANNAdapter", "data", ("lbann",), ("lbann",),
             install_hint=f"{IMAGE_HINT}, or build it with Spack: spack install lbann@0.104 +cuda +vision +pfe",
+            image_hint="this image was built without it: make image WITH_LBANN=1 (docs/containers.md)",
         ),
         FrameworkEntry("fsdp", "repro.adapters.fsdp:FSDPAdapter", "data (fully sharded, FSDP2)"),
         FrameworkEntry(
@@ -93,7 +100,7 @@ def adapter_class(name: str) -> type:
     missing = entry.missing()
     if missing:
         raise Unavailable(
-            f"framework {name!r} is not available here: missing {', '.join(missing)}; {entry.install_hint}"
+            f"framework {name!r} is not available here: missing {', '.join(missing)}; {entry.hint()}"
         )
     return load(entry.adapter)
 

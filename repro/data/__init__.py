@@ -41,7 +41,9 @@ def staged_roots() -> list[Path]:
 
 
 def cache_path() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    """$XDG_CACHE_HOME/repro, else beside the data: the home directory may be unwritable (an image run
+    as any uid); the data folder is where a run writes anyway."""
+    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else data_root() / ".cache"
     return base / "repro" / "verify-cache.json"
 
 
@@ -104,11 +106,15 @@ class HashCache:
         self.dirty = True
 
     def save(self) -> None:
+        """Best effort: on a read-only file system the next verify hashes again, and that is all."""
         if self.dirty:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.entries))
-            os.replace(tmp, self.path)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self.entries))
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
 
 
 @dataclass(frozen=True)
