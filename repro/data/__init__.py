@@ -97,7 +97,11 @@ class HashCache:
 
     def lookup(self, file: str, stat: os.stat_result) -> str | None:
         hit = self.entries.get(file)  # [*stat_key, hashed_at_ns, digest]
-        if not hit or hit[:-2] != stat_key(stat) or stat.st_ctime_ns > hit[-2] - RACY_NS:
+        key = stat_key(stat)
+        # an entry of another layout (an older kit's cache) is no entry: its file is hashed again
+        if not isinstance(hit, list) or len(hit) != len(key) + 2 or not isinstance(hit[-1], str):
+            return None
+        if hit[:-2] != key or stat.st_ctime_ns > hit[-2] - RACY_NS:
             return None
         return hit[-1]
 
@@ -110,7 +114,7 @@ class HashCache:
         if self.dirty:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_suffix(".tmp")
+                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")  # concurrent verifies each write their own
                 tmp.write_text(json.dumps(self.entries))
                 os.replace(tmp, self.path)
             except OSError:
