@@ -174,7 +174,7 @@ def test_settings_come_from_mlflow_where_the_run_has_them():
     assert from_params({}, recipe)["optimizer"] == "adam"
     recorded = from_params({"effective.optimizer": "adamw", "effective.micro_batches": "4", "train.precision": "bf16"}, recipe)
     assert (recorded["optimizer"], recorded["micro_batches"], recorded["precision"], recorded["lr"]) == ("adamw", "4", "bf16", "0.001")
-    assert differences(recorded, from_params({}, recipe)) == ["optimizer adamw vs adam", "precision bf16 vs fp32"]
+    assert differences(recorded, from_params({}, recipe)) == ["optimizer adamw vs adam", "micro_batches 4 vs 1", "precision bf16 vs fp32"]
 
 
 def test_platform_table_has_the_papers_rows_and_this_machine(report: Path) -> None:
