@@ -134,7 +134,7 @@ def running_runs(uri: str) -> list[str]:
         return []
     client = MlflowClient(tracking_uri=uri)
     ids = [e.experiment_id for e in client.search_experiments()]
-    return [r.info.run_id for r in client.search_runs(ids, "attributes.status IN ('RUNNING', 'SCHEDULED')")] if ids else []
+    return [r.info.run_id for r in client.search_runs(ids) if r.info.status in ("RUNNING", "SCHEDULED")] if ids else []
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -1,6 +1,8 @@
 """DDP end to end: its arithmetic, determinism, and what lands in MLflow."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import mlflow_runs
@@ -58,12 +60,33 @@ def test_mlflow_holds_the_run_with_tags_params_metrics_and_artifacts(two_ranks, 
     assert {"recipe.yaml", "environment.json", "packages.json", "events.jsonl", "output.log"} <= artifacts
 
 
-def test_a_failing_run_ends_failed_with_its_error(shared_repro) -> None:
-    out = shared_repro("run", "gpt2", "--gpus", "1", "--set", "train.batch_per_gpu=100000")
+# Loaded by every Python process of the job (sitecustomize): each rank's first training step raises.
+# Every bad input is refused before launch now, so a failure inside the job has to be injected.
+FAIL_IN_JOB = '''
+import os
+if "LOCAL_RANK" in os.environ:
+    from repro.adapters.ddp import DDPAdapter
+
+    def broken_step(self, inputs, targets):
+        raise RuntimeError("injected failure inside the job")
+
+    DDPAdapter.train_step = broken_step
+'''
+
+
+def test_a_failing_run_ends_failed_with_its_error(shared_repro, tmp_path) -> None:
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(FAIL_IN_JOB)
+    env = dict(shared_repro.env)
+    shared_repro.env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "inject"), env.get("PYTHONPATH", "")])
+    try:
+        out = shared_repro("run", "gpt2", "--gpus", "1", "--seed", "77")
+    finally:
+        shared_repro.env = env
     assert out.returncode != 0
-    (run,) = [r for r in mlflow_runs(shared_repro.tracking_uri) if r.data.params.get("train.batch_per_gpu") == "100000"]
+    (run,) = [r for r in mlflow_runs(shared_repro.tracking_uri) if r.info.run_name == "gpt2-ddp-1g-smoke-s77"]
     assert run.info.status == "FAILED"
-    assert "the global batch (100000) is larger than the training set (1024 samples)" in run.data.tags["repro.error"]
+    assert "injected failure inside the job" in run.data.tags["repro.error"]
 
 
 def test_unverified_data_is_explicit_and_recorded(shared_repro) -> None:
