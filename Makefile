@@ -45,7 +45,7 @@ MLFLOW_PORT ?= 5000
 MLFLOW_STORE ?= sqlite:///mlflow.db
 EXPERIMENT ?= repro
 
-.PHONY: help setup lbann-python install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
+.PHONY: test-image help setup lbann-python install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
 	image sif compose-up bench gpu-check
 
 help:  ## list targets
@@ -77,6 +77,9 @@ data:  ## prepare the smoke datasets (digits is generated; wikitext-2 is read fr
 
 test: data  ## run the test suite
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+test-image: data  ## build the image from a local Debian base and run it as users do (tests/test_image.py; minutes)
+	REPRO_TEST_IMAGE=1 $(PYTHON) -m pytest -q tests/test_image.py $(PYTEST_ARGS)
 
 test-fast:  ## unit tests only (no multi-process training)
 	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
