@@ -253,18 +253,29 @@ def pipelines_slowest(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
     return combine(verdicts), notes
 
 
+def memory_series(res: Results, w: str, row: str, label: str, verdicts: list[str],
+                  notes: list[str]) -> tuple[list[int], list[Result]] | None:
+    """A row's GPU counts and cells for a memory-shape finding (three counts at least), or None; a
+    series whose activations these runs cannot show adds its not-testable verdict and note."""
+    counts = res.gpus(w, row)
+    if len(counts) < 3:
+        return None
+    cells = [res.get(w, row, g) for g in counts]
+    why_not = res.activation_reason(cells)
+    if why_not:
+        verdicts.append(NOT_TESTABLE)
+        notes.append(f"{label}: not testable here: {why_not}")
+        return None
+    return counts, cells
+
+
 def megatron_u_shape(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
     verdicts, notes = [], []
     for w in res.workloads:
-        counts = res.gpus(w, t["row"])
-        if len(counts) < 3:
+        series = memory_series(res, w, t["row"], w, verdicts, notes)
+        if series is None:
             continue
-        cells = [res.get(w, t["row"], g) for g in counts]
-        why_not = res.activation_reason(cells)
-        if why_not:
-            verdicts.append(NOT_TESTABLE)
-            notes.append(f"{w}: not testable here: {why_not}")
-            continue
+        counts, cells = series
         memory = [res.memory(c)[0] for c in cells]
         lowest = memory.index(min(memory))
         u_shape = 0 < lowest < len(memory) - 1
@@ -289,15 +300,10 @@ def pipeline_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
     verdicts, notes = [], []
     for w in res.workloads:
         for row in t["rows"]:
-            counts = res.gpus(w, row)
-            if len(counts) < 3:
+            series = memory_series(res, w, row, f"{w} {row}", verdicts, notes)
+            if series is None:
                 continue
-            cells = [res.get(w, row, g) for g in counts]
-            why_not = res.activation_reason(cells)
-            if why_not:
-                verdicts.append(NOT_TESTABLE)
-                notes.append(f"{w} {row}: not testable here: {why_not}")
-                continue
+            counts, cells = series
             memory = [res.memory(c)[0] for c in cells]
             fall, last = memory[0] / memory[-1], memory[-2] / memory[-1]
             verdicts.append(HOLDS if fall > t["min_fall"] and last < t["plateau_ratio"] else FAILS)
