@@ -143,3 +143,27 @@ def test_repeats_fold_into_one_result_and_times_compare_only_when_intervals_sepa
     assert not_separable(ddp, zero) == "not separable at 3 repeats"  # 1.0-1.2 overlaps 1.15-1.4
     zero.repeat_epoch_s = [1.25, 1.3, 1.4]
     assert ddp.separated_from(zero) and not_separable(ddp, zero) is None
+
+
+def test_time_clauses_of_memory_findings_wait_for_separable_repeats():
+    """ZeRO's "no loss in performance" compares epoch times: with overlapping intervals it is not
+    judged, and the verdict rests on the memory clause alone."""
+    from repro import table2
+    from repro.report import findings
+    from repro.report.collect import Result, fold_repeats
+
+    matrix = table2.load_matrix(rows=["ddp", "zero"])
+    cells = [c for c in table2.expand(matrix, "smoke", repeats=3) if c.gpus == 2 and c.workload == "gpt2"]
+    times = {"ddp": [1.0, 1.1, 1.2], "zero": [1.5, 1.6, 1.7]}  # ZeRO 45% slower: fails the 15% clause
+    state = {"ddp": 1000.0, "zero": 500.0}  # and saves 50%: within the paper's 42-66%
+
+    def verdict(zero_times: list[float]) -> tuple[str, list[str]]:
+        times["zero"] = zero_times
+        results = fold_repeats([Result(c, "FINISHED", epoch_s=[times[c.row][c.repeat]] * 2,
+                                       model_state_bytes=state[c.row]) for c in cells])
+        return findings.zero_memory(findings.Results(results, cores=2), {
+            "saving_range": [0.42, 0.66], "from_gpus": 2, "max_time_ratio": 1.15})
+
+    assert verdict([1.5, 1.6, 1.7])[0] == findings.FAILS  # separated: judged, and too slow
+    found, notes = verdict([1.15, 1.3, 1.4])  # overlaps DDP's 1.0-1.2
+    assert found == findings.HOLDS and "epoch-time clause not separable at 3 repeats" in notes[0]
