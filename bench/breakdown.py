@@ -44,19 +44,25 @@ def cell_breakdown(run_dir: Path) -> dict[str, float] | None:
     }
 
 
+def matrix_breakdown(runs: Path) -> dict[str, dict]:
+    """Each cell's phases (by run folder name) and their totals over the matrix."""
+    cells = {d.name.split("-smoke")[0]: b for d in sorted(runs.iterdir()) if (b := cell_breakdown(d))}
+    return {"cells": cells, "totals": {p: sum(b[p] for b in cells.values()) for p in (*PHASES, "total_s")}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    cells = {d.name.split("-smoke")[0]: b for d in sorted(args.runs.iterdir()) if (b := cell_breakdown(d))}
+    found = matrix_breakdown(args.runs)
+    cells, totals = found["cells"], found["totals"]
     print(f"{'cell':<28}" + "".join(f"{p:>18}" for p in (*PHASES, "total_s")))
     for name, b in cells.items():
         print(f"{name:<28}" + "".join(f"{b[p]:>18.1f}" for p in (*PHASES, "total_s")))
-    totals = {p: sum(b[p] for b in cells.values()) for p in (*PHASES, "total_s")}
     print(f"{'all ' + str(len(cells)) + ' cells':<28}" + "".join(f"{totals[p]:>18.1f}" for p in (*PHASES, "total_s")))
     if args.json:
-        args.json.write_text(json.dumps({"cells": cells, "totals": totals}, indent=2))
+        args.json.write_text(json.dumps(found, indent=2))
 
 
 if __name__ == "__main__":
