@@ -97,11 +97,12 @@ class PartitionCounters:
     def __init__(self, partitions: Sequence[nn.Module]):
         self.counters = [Counter() for _ in partitions]
         self.local = threading.local()
+        self.counting = False  # while `hooks()` is open: the partitions' threads install the hooks
         for index, partition in enumerate(partitions):
             partition.register_forward_pre_hook(partial(self.enter, index))
 
     def enter(self, index: int, module: nn.Module, args: Any) -> None:
-        if not getattr(self.local, "installed", False):
+        if self.counting and not getattr(self.local, "installed", False):
             torch.autograd.graph.saved_tensors_hooks(self.pack, Counter.unpack).__enter__()  # lives with the thread
             self.local.installed = True
         self.local.current = index
@@ -111,12 +112,12 @@ class PartitionCounters:
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
-        self.local.installed, self.local.current = True, -1
+        self.local.installed, self.local.current, self.counting = True, -1, True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, Counter.unpack):
                 yield
         finally:
-            self.local.installed = False
+            self.local.installed, self.counting = False, False
 
     @property
     def peak_bytes(self) -> int:

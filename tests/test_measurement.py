@@ -83,7 +83,10 @@ def test_the_loop_synchronises_once_per_window_and_reads_only_the_stop_vote_per_
     assert trainer.host_syncs["epoch/loss"] == 1  # the partial window (steps 33-40), after the epoch timer
 
 
-def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distribution(trainer):
+def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distribution(trainer, monkeypatch):
+    counter = trainer.adapter.activations
+    opened = []
+    monkeypatch.setattr(counter, "hooks", lambda: opened.append(trainer.steps_here) or type(counter).hooks(counter))
     assert trainer.run() == 0
     trainer.close(clean=True)
     written = events.read_all(trainer.run_dir / events.EVENTS_FILE)
@@ -95,6 +98,10 @@ def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distributio
     assert step_s["count"] == STEPS - WARMUP_STEPS and step_s["warmup"] == WARMUP_STEPS
     assert 0 < step_s["p10"] <= step_s["median"] <= step_s["p90"]
     assert step_s["mean"] * step_s["count"] < epoch["epoch_s"]  # warm-up steps are left out
+    # Activations are counted over the warm-up steps and one per process only, and still see the
+    # peak that docs/memory.md derives by hand for the smoke GPT-2 at batch 8.
+    assert opened == list(range(WARMUP_STEPS + 1))
+    assert epoch["ranks"][0]["activation_peak_bytes"] == 9_253_380
     (end,) = [e for e in written if e["event"] == events.END]
     assert end["host_syncs"]["steps/loss"] == STEPS // loop.SYNC_EVERY
 

@@ -63,7 +63,7 @@ class Adapter:
         self.options = ctx.recipe.options()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.activations = Counter()  # the loop trains inside its hooks(); torchgpipe counts per partition
+        self.activations = Counter()  # the loop runs its first steps inside its hooks(); torchgpipe counts per partition
 
     # -- class-level facts, used before any process starts ------------------------------------
     workloads: tuple[str, ...] = ("vgg16", "gpt2")  # the workloads this framework applies to
