@@ -46,7 +46,11 @@ def cell_breakdown(run_dir: Path) -> dict[str, float] | None:
 
 def matrix_breakdown(runs: Path) -> dict[str, dict]:
     """Each cell's phases (by run folder name) and their totals over the matrix."""
-    cells = {d.name.split("-smoke")[0]: b for d in sorted(runs.iterdir()) if (b := cell_breakdown(d))}
+    cells: dict[str, dict[str, float]] = {}
+    for run_dir in sorted(runs.iterdir()):
+        if found := cell_breakdown(run_dir):
+            name = run_dir.name.split("-smoke")[0]  # rows of one framework share it (megatron-data, -intra)
+            cells[name if name not in cells else f"{name} #{sum(k.startswith(name) for k in cells) + 1}"] = found
     return {"cells": cells, "totals": {p: sum(b[p] for b in cells.values()) for p in (*PHASES, "total_s")}}
 
 
