@@ -68,7 +68,9 @@ FROM base AS kit
 ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
 # DeepSpeed's ops to prebuild, so no rank compiles them at run time; CUDA ops (fused_adam,
 # fused_lamb) need nvcc in the base. The build has no GPU, so the accelerator is named, not detected
-# (DS_ACCELERATOR=cpu for a base without CUDA). docker/labels.py lists the ops really built.
+# (DS_ACCELERATOR=cpu for a base without CUDA, with DEEPSPEED_OPS="cpu_adam shm_comm": ZeRO's
+# collectives on CPU load shm_comm, which the runtime stage cannot compile). docker/labels.py lists
+# the ops really built.
 ARG DEEPSPEED_OPS="cpu_adam fused_adam fused_lamb utils"
 ARG DS_ACCELERATOR=cuda
 # The CPU the compiled ops target: DeepSpeed asks for the build machine's (-march=native, AVX-512

@@ -75,11 +75,18 @@ data:  ## prepare the smoke datasets (digits is generated; wikitext-2 is read fr
 	$(PYTHON) -m repro.cli data prepare digits
 	$(PYTHON) -m repro.cli data prepare wikitext-2
 
-test: data  ## run the test suite
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+# The image test spends most of its time on downloads and disk (building the image), so it runs
+# alongside the others, its output in IMAGE_TEST_LOG, shown when both are done.
+IMAGE_TEST_LOG ?= .test-image.log
+test: data  ## run the test suite (the image test alongside the others; the slowest tests are listed)
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=10 tests/test_image.py $(PYTEST_ARGS) > $(IMAGE_TEST_LOG) 2>&1 & image=$$!; \
+	trap 'kill $$image 2>/dev/null' INT TERM; \
+	$(PYTHON) -m pytest -q --durations=25 --ignore=tests/test_image.py $(PYTEST_ARGS); others=$$?; \
+	wait $$image; image=$$?; echo "--- tests/test_image.py (run alongside) ---"; cat $(IMAGE_TEST_LOG); \
+	exit $$((others || image))
 
-test-image: data  ## build the image from a local Debian base and run it as users do (tests/test_image.py; minutes)
-	REPRO_TEST_IMAGE=1 $(PYTHON) -m pytest -q tests/test_image.py $(PYTEST_ARGS)
+test-image: data  ## only the image test (part of `make test`): build from a local Debian base, run it as users do (minutes)
+	$(PYTHON) -m pytest -q tests/test_image.py $(PYTEST_ARGS)
 
 test-fast:  ## unit tests only (no multi-process training)
 	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
