@@ -3,6 +3,7 @@ step times come out as a distribution. One in-process rank on gloo; about 10 s."
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 from collections import Counter
@@ -69,18 +70,36 @@ def observe_loop_syncs(trainer: loop.Trainer, monkeypatch: pytest.MonkeyPatch) -
     return seen
 
 
-def test_the_loop_synchronises_once_per_window_and_reads_only_the_stop_vote_per_step(trainer, monkeypatch):
+def test_the_loop_synchronises_once_per_window_and_reads_the_stop_vote_every_few_steps(trainer, monkeypatch):
     seen = observe_loop_syncs(trainer, monkeypatch)
     assert trainer.run() == 0
     assert trainer.window == loop.SYNC_EVERY == 16
-    # Per step but the first: the stop vote started after the previous step (a CPU tensor: no device
-    # wait); per window of 16 steps: one read of the reduced losses.
-    windows, votes_read = STEPS // loop.SYNC_EVERY, STEPS - 1
+    # A stop vote after every 5th step (40 steps an epoch, 8 votes), read a step later (a CPU tensor: no
+    # device wait); per window of 16 steps: one read of the reduced losses.
+    assert trainer.vote_every == STEPS // loop.STOP_VOTES_PER_EPOCH == 5
+    windows, votes_read = STEPS // loop.SYNC_EVERY, (STEPS - 1) // trainer.vote_every
     steps = {site: count for site, count in trainer.host_syncs.items() if site.startswith("steps/")}
     assert steps == {"steps/loss": windows, "steps/stop": votes_read}
     # Nothing in the loop reads a tensor or calls a collective in the timed steps without counting it.
     assert sum(seen.values()) == sum(steps.values()), seen
     assert trainer.host_syncs["epoch/loss"] == 1  # the partial window (steps 33-40), after the epoch timer
+
+
+def test_a_stop_lands_a_step_after_the_next_vote(trainer, monkeypatch):
+    train_step = trainer.adapter.train_step
+
+    def signalled_at_step_7(inputs, targets):
+        if trainer.steps_here == 6:  # the 7th step: the next vote starts after step 10, is read after 11
+            trainer.on_signal(signal.SIGTERM, None)
+        return train_step(inputs, targets)
+
+    monkeypatch.setattr(trainer.adapter, "train_step", signalled_at_step_7)
+    assert trainer.run() == 128 + signal.SIGTERM
+    trainer.close(clean=False)
+    written = events.read_all(trainer.run_dir / events.EVENTS_FILE)
+    (interrupted,) = [e for e in written if e["event"] == events.INTERRUPTED]
+    assert interrupted["step"] == 11 and interrupted["signal"] == "SIGTERM"
+    assert [e["step"] for e in written if e["event"] == events.STEP] == list(range(1, 12))
 
 
 def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distribution(trainer, monkeypatch):
