@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 
 import psutil
@@ -73,3 +74,24 @@ def test_a_stop_signal_saves_mid_epoch_and_ends_the_run_killed(repro, signum, ra
     assert run.data.tags["repro.interrupted"].startswith(f"{ranks_got} at step {interrupted['step']}")
     pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
     assert pointer["position"]["step"] == interrupted["step"]
+
+
+def test_the_follower_wakes_when_the_launcher_exits_and_kills_what_it_left(tmp_path):
+    """The follower waits on the launcher's exit, not on a poll interval: a 30 s wait ends when the
+    launcher does. torchrun starts its workers in sessions of their own: one that outlives the launcher
+    is found by the follower's scans of the job's processes (every SCAN_EVERY_S) and killed."""
+    from repro.runner import POLL_S, SCAN_EVERY_S, Job
+
+    quick = Job(["sleep", "1"], tmp_path / "quick.log", echo=lambda line: None)
+    started = time.monotonic()
+    quick.wait(30)
+    assert quick.finished() and quick.returncode == 0 and time.monotonic() - started < 15
+
+    launcher = ("import subprocess, sys, time; worker = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+                f"print(worker.pid, flush=True); time.sleep({2 * SCAN_EVERY_S}); sys.exit(3)")
+    job = Job([sys.executable, "-c", launcher], tmp_path / "output.log", echo=lambda line: None)
+    while not job.finished():  # as the follower's loop does
+        job.wait(POLL_S)
+    assert job.returncode == 3
+    worker = psutil.Process(int((tmp_path / "output.log").read_text().split()[0]))
+    worker.wait(timeout=5)  # raises TimeoutExpired while the follower has left it running
