@@ -17,6 +17,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -380,7 +381,17 @@ def main(run_dir: str) -> None:
         clean = True
     finally:
         trainer.close(clean)
-    sys.exit(code)
+    leave(code)
+
+
+def leave(code: int) -> None:
+    """End the process now that the run is closed: events and checkpoints are written and closed, the
+    process group is gone. Python's own teardown with torch loaded takes about 0.5 s a process
+    (measured here), paid at the end of every cell of the matrix, and does nothing the run needs."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":
