@@ -2,7 +2,7 @@
 written directly on the framework's API (DDP or DeepSpeed ZeRO), with the kit's model, data, batch,
 sampler, optimizer, DeepSpeed configuration and deterministic kernels (the recipe's seed policy, which
 every framework runs under: about 3% of a one-process smoke GPT-2 step on CPU, a cost of the policy,
-not of the loop) but none of its loop: no loss read, no stop vote, no events, no checkpoints. Launched by torchrun; rank 0 writes its step times as JSON. It ends as the
+not of the loop) but none of its loop: no loss read, no stop vote, no events, no checkpoints. Launched by torchrun; rank 0 writes its step times, and the wall times they lie between, as JSON. It ends as the
 loop does (repro.loop.Trainer.close): every rank waits for the others before DeepSpeed and the
 process group are torn down, else a rank that leaves first aborts its peer (SIGABRT at exit).
 
@@ -72,7 +72,7 @@ def main(framework: str, out: str, steps: int) -> None:
     train, _ = workload.datasets()
     rank, world = dist.get_rank(), dist.get_world_size()
     epoch = 0
-    ends = [time.perf_counter()]
+    started, ends = time.time(), [time.perf_counter()]
     while len(ends) <= steps:
         sampler = GlobalBatches(len(train), recipe.train.batch_per_gpu * world, (rank, world), recipe.seed, epoch)
         for x, y in torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=recipe.data.workers):
@@ -81,8 +81,9 @@ def main(framework: str, out: str, steps: int) -> None:
             if len(ends) > steps:
                 break
         epoch += 1
-    if rank == 0:
-        Path(out).write_text(json.dumps([b - a for a, b in zip(ends, ends[1:])]))
+    if rank == 0:  # the walls bound the steps, for the CPU the job's processes spent meanwhile
+        steps_s = [b - a for a, b in zip(ends, ends[1:])]
+        Path(out).write_text(json.dumps({"steps_s": steps_s, "start_wall": started, "end_wall": time.time()}))
     dist.barrier()
     teardown()
     dist.destroy_process_group()

@@ -4,17 +4,19 @@
   distribution) against a minimal loop on the framework's own API (bench/minimal.py), same model,
   data, sampler, batch, optimizer and process count, the same warm-up steps left out, in alternating
   rounds so drift of a busy machine hits both sides. The mean, not the median: the loop's work once
-  per window of steps (loss reduction, event writes) must count;
+  per window of steps (loss reduction, event writes) must count; with the cores the follower and
+  the launcher kept busy meanwhile (the per-step budget of what remains);
 - data verification: `--deep` hashing throughput per core against `sha256sum` on the same files, and
   a cached re-verify of a 100,000-file manifest;
 - the smoke `reproduce-table2` wall time from a fresh MLflow store.
 
 Writes reports/bench.json, each figure beside its goal, with the load average before and after (a
-loaded machine inflates every time). Usage: python bench/run.py [--only overhead,verify,table2] [--rounds 3]
+loaded machine inflates every time). Usage: python bench/run.py [--only overhead,verify,table2] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -25,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from breakdown import matrix_breakdown
 from repro.data import RACY_NS, HashCache, hash_tree, verify_tree
 from repro.metrics import WARMUP_STEPS
@@ -47,28 +50,89 @@ def run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> str
     return out.stderr
 
 
-def repro_steps(framework: str, scratch: Path) -> dict[str, float]:
+# Two-sided 95% quantiles of Student's t by degrees of freedom (rounds - 1), for the rounds' interval
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+SAMPLE_S = 1.0  # how often the job's processes' CPU times are read (the same on both sides)
+ROLES = {"repro.cli": "follower", "torch.distributed.run": "launcher", "repro.loop": "ranks", "minimal.py": "ranks"}
+
+
+def role(process: psutil.Process) -> str:
+    line = " ".join(process.cmdline())
+    return next((name for key, name in ROLES.items() if key in line), "other")
+
+
+def sampled_run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> dict[int, list]:
+    """`run`, reading every SAMPLE_S the CPU seconds of each process of the job:
+    pid -> [role, [(wall time, cpu seconds), ...]]."""
+    env = {"REPRO_DATA": str(ROOT / "data"), **os.environ, **(env or {})}
+    samples: dict[int, list] = {}
+    with open(cwd / "stderr.log", "w+") as stderr:
+        job = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        root = psutil.Process(job.pid)
+        while job.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for process in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        times = process.cpu_times()
+                        entry = samples.setdefault(process.pid, [role(process), []])
+                        entry[1].append((time.time(), times.user + times.system))
+            time.sleep(SAMPLE_S)
+        if job.returncode:
+            stderr.seek(0)
+            raise RuntimeError(f"{' '.join(command)} failed:\n{stderr.read()[-3000:]}")
+    return samples
+
+
+def cpu_shares(samples: dict[int, list], start: float, end: float) -> dict[str, float]:
+    """Cores each role kept busy between `start` and `end` (wall times), from the samples inside them."""
+    shares: dict[str, float] = {}
+    for name, points in samples.values():
+        inside = [(t, cpu) for t, cpu in points if start <= t <= end]
+        if len(inside) > 1:
+            (t0, c0), (t1, c1) = inside[0], inside[-1]
+            shares[name] = shares.get(name, 0.0) + (c1 - c0) / (t1 - t0)
+    return shares
+
+
+def repro_steps(framework: str, scratch: Path) -> dict[str, object]:
     """Step times of one `repro run` after its warm-up, from its epoch events: the mean over all its
-    steps (validation between epochs is outside them) and the count."""
-    run([sys.executable, "-m", "repro.cli", "run", "gpt2", "--framework", framework, "--gpus", str(PROCESSES),
-         "--max-steps", str(STEPS), "--tracking-uri", f"sqlite:///{scratch}/mlflow.db"], scratch)
+    steps (validation between epochs is outside them) and the count; the cores its processes kept
+    busy while it trained, and the loop's host reads per step (its end event)."""
+    samples = sampled_run([sys.executable, "-m", "repro.cli", "run", "gpt2", "--framework", framework,
+                           "--gpus", str(PROCESSES), "--max-steps", str(STEPS),
+                           "--tracking-uri", f"sqlite:///{scratch}/mlflow.db"], scratch)
     newest = max((scratch / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
-    epochs = [e["step_s"] for e in map(json.loads, (newest / "events.jsonl").read_text().splitlines())
-              if e["event"] == "epoch"]
+    written = [json.loads(line) for line in (newest / "events.jsonl").read_text().splitlines()]
+    epochs = [e["step_s"] for e in written if e["event"] == "epoch"]
+    (start,), (end,) = [e for e in written if e["event"] == "start"], [e for e in written if e["event"] == "end"]
     count = sum(e["count"] for e in epochs)
-    return {"mean": sum(e["mean"] * e["count"] for e in epochs) / count, "count": count}
+    reads = sum(n for site, n in end["host_syncs"].items() if site.startswith("steps/"))
+    return {"mean": sum(e["mean"] * e["count"] for e in epochs) / count, "count": count,
+            "cores": cpu_shares(samples, start["wall"], end["wall"]), "host_reads_per_step": reads / end["step"]}
 
 
-def minimal_steps(framework: str, scratch: Path) -> dict[str, float]:
+def minimal_steps(framework: str, scratch: Path) -> dict[str, object]:
     out = scratch / f"minimal-{framework}.json"
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(PROCESSES),
-         str(ROOT / "bench" / "minimal.py"), framework, str(out), str(STEPS)], scratch, {"PYTHONPATH": str(ROOT)})
-    steady = json.loads(out.read_text())[WARMUP_STEPS:]
-    return {"mean": statistics.fmean(steady), "count": len(steady)}
+    samples = sampled_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(PROCESSES), str(ROOT / "bench" / "minimal.py"), framework, str(out), str(STEPS)],
+                          scratch, {"PYTHONPATH": str(ROOT)})
+    timing = json.loads(out.read_text())
+    steady = timing["steps_s"][WARMUP_STEPS:]
+    return {"mean": statistics.fmean(steady), "count": len(steady),
+            "cores": cpu_shares(samples, timing["start_wall"], timing["end_wall"])}
+
+
+def interval95(values: list[float]) -> list[float] | None:
+    """Student's t interval of the mean of `values` (None for fewer than 2)."""
+    if len(values) < 2:
+        return None
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / len(values) ** 0.5
+    return [statistics.fmean(values) - half, statistics.fmean(values) + half]
 
 
 def overhead(framework: str, count: int) -> dict[str, object]:
-    """Kit against baseline in `count` alternating pairs (the order flips each round)."""
+    """Kit against baseline in `count` alternating pairs (the order flips each round), with what the
+    kit's processes cost beside its ranks (the per-step budget of what remains)."""
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(count):
@@ -80,8 +144,23 @@ def overhead(framework: str, count: int) -> dict[str, object]:
     minimal = statistics.fmean(r["minimal"]["mean"] for r in rounds)
     each = [r["repro"]["mean"] / r["minimal"]["mean"] - 1 for r in rounds]
     return {"overhead": kit / minimal - 1, "goal": GOALS["overhead"], "met": kit / minimal - 1 <= GOALS["overhead"],
-            "repro_step_s": kit, "minimal_step_s": minimal, "per_round": each, "rounds": rounds,
-            "steps_per_run": rounds[0]["repro"]["count"], "warmup_steps": WARMUP_STEPS}
+            "interval95_per_round": interval95(each), "repro_step_s": kit, "minimal_step_s": minimal,
+            "per_round": each, "rounds": rounds, "steps_per_run": rounds[0]["repro"]["count"],
+            "warmup_steps": WARMUP_STEPS, "budget": budget(rounds, kit)}
+
+
+def budget(rounds: list[dict], step_s: float) -> dict[str, float]:
+    """What the kit adds per step beside its ranks' work: the cores its follower and launcher kept busy
+    while it trained (against the baseline's launcher), as microseconds of one core per step, and the
+    loop's host reads per step."""
+    def mean_cores(side: str, name: str) -> float:
+        return statistics.fmean(r[side]["cores"].get(name, 0.0) for r in rounds)
+
+    return {"follower_cores": mean_cores("repro", "follower"), "launcher_cores": mean_cores("repro", "launcher"),
+            "baseline_launcher_cores": mean_cores("minimal", "launcher"),
+            "follower_us_per_step": mean_cores("repro", "follower") * step_s * 1e6,
+            "extra_launcher_us_per_step": (mean_cores("repro", "launcher") - mean_cores("minimal", "launcher")) * step_s * 1e6,
+            "host_reads_per_step": statistics.fmean(r["repro"]["host_reads_per_step"] for r in rounds)}
 
 
 def verify_speed() -> dict[str, float]:
@@ -146,7 +225,7 @@ def table2_wall() -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="overhead,verify,table2")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating kit/baseline pairs per framework")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating kit/baseline pairs per framework")
     parser.add_argument("--frameworks", default="ddp,zero", help="frameworks of the overhead figure")
     args = parser.parse_args()
     parts = args.only.split(",")
@@ -155,9 +234,14 @@ def main() -> None:
         for framework in args.frameworks.split(","):
             results[f"overhead_{framework}"] = figure = overhead(framework, args.rounds)
             rounds = ", ".join(f"{value:+.1%}" for value in figure["per_round"])
+            low, high = figure["interval95_per_round"] or (float("nan"), float("nan"))
             print(f"harness overhead {framework}: {figure['overhead']:+.1%} (goal <= {GOALS['overhead']:.0%}) "
                   f"({figure['repro_step_s'] * 1e3:.2f} ms vs {figure['minimal_step_s'] * 1e3:.2f} ms per step; "
-                  f"rounds {rounds})")
+                  f"rounds {rounds}; 95% interval of a round {low:+.1%}..{high:+.1%})")
+            spent = figure["budget"]
+            print(f"  beside the ranks: follower {spent['follower_cores']:.1%} of a core "
+                  f"({spent['follower_us_per_step']:.0f} us a step), launcher +{spent['extra_launcher_us_per_step']:.0f} us "
+                  f"a step over the baseline's; the loop reads the host {spent['host_reads_per_step']:.3f} times a step")
     if "verify" in parts:
         results["verify"] = figure = verify_speed()
         print(f"verify --deep: {figure['per_core_ratio']:.2f}x sha256sum per core "
@@ -169,7 +253,8 @@ def main() -> None:
               f"second call {figure['second_s']:.0f}s (goal < {GOALS['table2_again_s']:.0f}s)")
         print(f"  {figure['matrix']}")
         totals = figure["breakdown"]["totals"]
-        print("  where it went, summed over cells: " + ", ".join(f"{k} {v:.0f}" for k, v in totals.items()))
+        print("  where it went, summed over cells: " + ", ".join(f"{k} {v:.0f}" for k, v in totals.items())
+              + " (train_s: the frameworks' own steps, the floor of the matrix's time)")
     results["load_after"] = os.getloadavg()
     print(f"load average before {results['load_before'][0]:.1f}, after {results['load_after'][0]:.1f} "
           f"on {results['cores']} cores")
