@@ -37,7 +37,7 @@ FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.5, 15.0  # between failed attempts: doubling 
 # Between deliveries while the job runs. Each one is a batch of SQL writes in the follower, next to the
 # ranks it measures: once a second cost about 1.6% of a core on 2 cores (2 ranks of the smoke GPT-2);
 # once every 10 s, MLflow still shows a run's losses seconds after they are made.
-DELIVERY_INTERVAL_S = 10.0
+DELIVERY_INTERVAL_S = float(os.environ.get("REPRO_DELIVERY_INTERVAL_S", 10))
 
 
 @dataclass

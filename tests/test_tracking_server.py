@@ -25,8 +25,10 @@ CREATION_ARTIFACTS = {"recipe.yaml", "environment.json", "packages.json"}
 
 @pytest.fixture
 def served(repro: Repro, tracking_server) -> Repro:
-    """`repro` in a scratch folder, logging to the PostgreSQL-backed server; the follower gives up after 3 s."""
+    """`repro` in a scratch folder, logging to the PostgreSQL-backed server; the follower delivers every
+    second (so that an outage can begin mid-run, after the first points) and gives up after 3 s."""
     repro.env["MLFLOW_TRACKING_URI"] = tracking_server.uri
+    repro.env["REPRO_DELIVERY_INTERVAL_S"] = "1"
     repro.env["REPRO_DELIVERY_BUDGET_S"] = "3"
     isolate_caches(repro)
     return repro
