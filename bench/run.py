@@ -40,11 +40,14 @@ REPORTS = ROOT / "reports" / "bench-matrix"  # the fresh-store matrix's own repo
 GOALS = {"overhead": 0.02, "verify_per_core": 0.9, "cached_verify_s": 2.0, "table2_s": 480.0, "table2_again_s": 60.0}
 
 
+def job_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """This environment, reading the checkout's prepared data (`make bench` runs `make data`), plus `extra`."""
+    return {"REPRO_DATA": str(ROOT / "data"), **os.environ, **(extra or {})}
+
+
 def run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
-    """COMMAND in a scratch folder, reading the checkout's prepared data (`make bench` runs `make data`);
-    returns its stderr."""
-    env = {"REPRO_DATA": str(ROOT / "data"), **os.environ, **(env or {})}
-    out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    """COMMAND in a scratch folder (see job_env); returns its stderr."""
+    out = subprocess.run(command, cwd=cwd, env=job_env(env), capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     return out.stderr
@@ -64,10 +67,9 @@ def role(process: psutil.Process) -> str:
 def sampled_run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> dict[int, list]:
     """`run`, reading every SAMPLE_S the CPU seconds of each process of the job:
     pid -> [role, [(wall time, cpu seconds), ...]]."""
-    env = {"REPRO_DATA": str(ROOT / "data"), **os.environ, **(env or {})}
     samples: dict[int, list] = {}
     with open(cwd / "stderr.log", "w+") as stderr:
-        job = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        job = subprocess.Popen(command, cwd=cwd, env=job_env(env), stdout=subprocess.DEVNULL, stderr=stderr, text=True)
         root = psutil.Process(job.pid)
         while job.poll() is None:
             with contextlib.suppress(psutil.Error):
