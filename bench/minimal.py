@@ -2,9 +2,11 @@
 written directly on the framework's API (DDP or DeepSpeed ZeRO), with the kit's model, data, batch,
 sampler, optimizer, DeepSpeed configuration and deterministic kernels (the recipe's seed policy, which
 every framework runs under: about 3% of a one-process smoke GPT-2 step on CPU, a cost of the policy,
-not of the loop) but none of its loop: no loss read, no stop vote, no events, no checkpoints. Launched by torchrun; rank 0 writes its step times, and the wall times they lie between, as JSON. It ends as the
-loop does (repro.loop.Trainer.close): every rank waits for the others before DeepSpeed and the
-process group are torn down, else a rank that leaves first aborts its peer (SIGABRT at exit).
+not of the loop) but none of its loop: no loss read, no stop vote, no events, no checkpoints.
+Launched by torchrun; rank 0 writes its step times, and the wall times they lie between, as JSON.
+It ends as the loop does (repro.loop.Trainer.close): every rank waits for the others before
+DeepSpeed and the process group are torn down, else a rank that leaves first aborts its peer
+(SIGABRT at exit).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/minimal.py ddp OUT.json STEPS
 """
