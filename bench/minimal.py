@@ -63,6 +63,25 @@ def zero_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) ->
     return step, engine.destroy
 
 
+STEP_BUILDERS = {"ddp": ddp_step, "zero": zero_step}
+
+
+def timed_steps(step: Step, train: torch.utils.data.Dataset, recipe: Recipe, steps: int) -> list[float]:
+    """`steps` steps over the recipe's global batches from epoch 0 on, each timed as the kit times a
+    step: from the end of one step to the end of the next."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    epoch, ends = 0, [time.perf_counter()]
+    while len(ends) <= steps:
+        sampler = GlobalBatches(len(train), recipe.train.batch_per_gpu * world, (rank, world), recipe.seed, epoch)
+        for x, y in torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=recipe.data.workers):
+            step(x, y)
+            ends.append(time.perf_counter())
+            if len(ends) > steps:
+                break
+        epoch += 1
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
 def main(framework: str, out: str, steps: int) -> None:
     recipe = load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}"])
     torch.set_num_threads(1)
@@ -70,21 +89,11 @@ def main(framework: str, out: str, steps: int) -> None:
     dist.init_process_group("gloo")
     workload = GPT2Workload(recipe.model, recipe.data, dataset(recipe.data.dataset).locate())
     torch.manual_seed(0)
-    step, teardown = {"ddp": ddp_step, "zero": zero_step}[framework](workload.build_model(), workload, recipe)
+    step, teardown = STEP_BUILDERS[framework](workload.build_model(), workload, recipe)
     train, _ = workload.datasets()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    epoch = 0
-    started, ends = time.time(), [time.perf_counter()]
-    while len(ends) <= steps:
-        sampler = GlobalBatches(len(train), recipe.train.batch_per_gpu * world, (rank, world), recipe.seed, epoch)
-        for x, y in torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=recipe.data.workers):
-            step(x, y)  # step time as the kit measures it: end of one step to the end of the next
-            ends.append(time.perf_counter())
-            if len(ends) > steps:
-                break
-        epoch += 1
-    if rank == 0:  # the walls bound the steps, for the CPU the job's processes spent meanwhile
-        steps_s = [b - a for a, b in zip(ends, ends[1:])]
+    started = time.time()
+    steps_s = timed_steps(step, train, recipe, steps)
+    if dist.get_rank() == 0:  # the walls bound the steps, for the CPU the job's processes spent meanwhile
         Path(out).write_text(json.dumps({"steps_s": steps_s, "start_wall": started, "end_wall": time.time()}))
     dist.barrier()
     teardown()

@@ -1,0 +1,91 @@
+"""The harness overhead paired inside one job: the same ranks alternate between an epoch of the kit's
+loop (repro.loop.Trainer.run: its step clock, its windowed loss reduction and events, its stop votes)
+and as many steps of bench/minimal.py's loop on the framework's own API, in blocks a few seconds long.
+
+Two `torchrun` jobs run a minute or more apart, and this machine's speed drifts by tens of percent
+over minutes, so the side-by-side figure of bench/run.py scatters by more than the 2% it judges.
+Here both sides of a pair run within seconds in the same processes, so drift cancels pair by pair.
+What this cannot see, the processes beside the ranks (the follower, torchrun's `--tee`), bench/run.py
+measures as the cores they keep busy. The first pair is warm-up and left out. Rank 0 writes each
+pair's mean step times as JSON.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/paired.py ddp OUT.json PAIRS
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from minimal import STEP_BUILDERS, timed_steps
+
+from repro import events, loop
+from repro.data.sets import dataset
+from repro.recipe import load_file, recipe_path
+
+VAL_SAMPLES = 32  # validation runs between a kit block's steps and the next block, outside both sides' timing
+
+
+def fresh_run(trainer: loop.Trainer, run_dir: Path) -> None:
+    """Let the next Trainer.run start at step 0: no checkpoint to resume, an empty event file."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    dist.barrier()
+    if trainer.writer:
+        trainer.writer.close()
+        (run_dir / events.EVENTS_FILE).unlink(missing_ok=True)
+        trainer.writer = events.EventWriter(run_dir / events.EVENTS_FILE)
+
+
+def kit_block(trainer: loop.Trainer, run_dir: Path) -> tuple[float, int]:
+    """One epoch through the kit's loop: its mean step time and step count (on the reporting rank)."""
+    fresh_run(trainer, run_dir)
+    trainer.run()
+    if not trainer.writer:
+        return 0.0, 0
+    (epoch,) = [e for e in events.read_all(run_dir / events.EVENTS_FILE) if e["event"] == events.EPOCH]
+    return epoch["step_s"]["mean"], epoch["step_s"]["count"]
+
+
+def main(framework: str, out: str, pairs: int) -> None:
+    world = int(os.environ["WORLD_SIZE"])  # torchrun's
+    recipe = load_file(recipe_path("gpt2", "smoke"), [
+        f"run.framework={framework}", f"run.gpus={world}", "train.epochs=1", f"data.max_val_samples={VAL_SAMPLES}",
+    ])
+    run_dir = Path(out).with_suffix(".run")
+    run_dir.mkdir(exist_ok=True)
+    trainer = loop.Trainer(recipe, run_dir, dataset(recipe.data.dataset).locate())  # joins the process group
+    if dist.get_rank() == 0 and not trainer.reporting:
+        raise SystemExit(f"paired.py: {framework} reports from another rank than 0")
+    workload = trainer.ctx.workload
+    torch.manual_seed(0)
+    step, teardown = STEP_BUILDERS[framework](workload.build_model(), workload, recipe)
+    block = len(trainer.train_loader(0))
+    measured = []
+    for index in range(pairs + 1):
+        pair = {}
+        for side in ("kit", "minimal") if index % 2 else ("minimal", "kit"):
+            if side == "kit":
+                pair["kit"], pair["kit_steps"] = kit_block(trainer, run_dir)
+            else:
+                pair["minimal"] = statistics.fmean(timed_steps(step, trainer.train_set, recipe, block))
+        pair["first"] = "kit" if index % 2 else "minimal"
+        if index:  # the first pair warms both sides up
+            measured.append(pair)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"framework": framework, "world": world, "steps_per_block": block,
+                                         "pairs": measured}))
+    dist.barrier()
+    teardown()
+    trainer.close(clean=True)
+    loop.leave(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
