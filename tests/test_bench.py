@@ -38,3 +38,33 @@ def test_mfu_comes_from_the_peak_table_only() -> None:
     assert mfu("NVIDIA H200", "bf16", 494.5e12) == pytest.approx(0.5)
     assert mfu("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12) == pytest.approx(1.0)
     assert mfu("Some Future GPU", "bf16", 1e15) is None
+
+
+def test_an_overhead_is_judged_only_where_its_interval_clears_the_goal() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    from run import interval95, verdict
+
+    assert verdict([-0.004, 0.019], 0.02) is True
+    assert verdict([0.021, 0.05], 0.02) is False
+    assert verdict([-0.01, 0.03], 0.02) is None  # holds the goal: cannot tell
+    low, high = interval95([0.01, 0.03])  # mean 2%, sd 1.41%, t(1) = 12.71
+    assert (low, high) == pytest.approx((0.02 - 0.1271, 0.02 + 0.1271), abs=1e-4)
+    low, high = interval95([0.0, 0.02] * 13)  # 26 values, 25 degrees of freedom: t(20) = 2.09, the wider
+    assert high - 0.01 == pytest.approx(2.09 * 0.0101980 / 26 ** 0.5, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_paired_overhead_job_alternates_kit_and_baseline_blocks(tmp_path: Path) -> None:
+    out = tmp_path / "paired.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(REPO / "bench" / "paired.py"), "ddp", str(out), "2"],
+        capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "REPRO_DATA": str(REPO / "data"), "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["world"] == 2 and found["steps_per_block"] == 64  # the smoke epoch: 1024 samples, 8 x 2 a step
+    assert [pair["first"] for pair in found["pairs"]] == ["kit", "minimal"]  # the warm-up pair is left out
+    assert [pair["kit_steps"] for pair in found["pairs"]] == [64, 64]  # no warm-up steps after the first block
+    assert all(0 < pair[side] < 1 for pair in found["pairs"] for side in ("kit", "minimal"))
