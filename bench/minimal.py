@@ -1,6 +1,7 @@
 """The baseline of the harness-overhead benchmark: the smoke GPT-2 trained by a minimal loop
-written directly on the framework's API (DDP or DeepSpeed ZeRO), with the kit's model, data, batch,
-sampler, optimizer, DeepSpeed configuration and deterministic kernels (the recipe's seed policy, which
+written directly on the framework's API (DDP or DeepSpeed ZeRO), with the kit's model (its weights,
+from the model seed of the kit's seed table), data (in its data-order seed's order), batch, sampler,
+optimizer, DeepSpeed configuration and deterministic kernels (the recipe's seed policy, which
 every framework runs under: about 3% of a one-process smoke GPT-2 step on CPU, a cost of the policy,
 not of the loop) but none of its loop: no loss read, no stop vote, no events, no checkpoints.
 Launched by torchrun; rank 0 writes its step times, and the wall times they lie between, as JSON.
@@ -66,13 +67,20 @@ def zero_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) ->
 STEP_BUILDERS = {"ddp": ddp_step, "zero": zero_step}
 
 
+def build_model(workload: GPT2Workload, recipe: Recipe) -> torch.nn.Module:
+    """The kit's model: built under the recipe's model seed, so both sides start from the same weights."""
+    seeding.seed_everything(seeding.seed_table(recipe.seed, dist.get_rank())["model_init"])
+    return workload.build_model()
+
+
 def timed_steps(step: Step, train: torch.utils.data.Dataset, recipe: Recipe, steps: int) -> list[float]:
-    """`steps` steps over the recipe's global batches from epoch 0 on, each timed as the kit times a
-    step: from the end of one step to the end of the next."""
+    """`steps` steps over the kit's global batches (its data-order seed) from epoch 0 on, each timed as
+    the kit times a step: from the end of one step to the end of the next."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    order = seeding.seed_table(recipe.seed, rank)["data_order"]
     epoch, ends = 0, [time.perf_counter()]
     while len(ends) <= steps:
-        sampler = GlobalBatches(len(train), recipe.train.batch_per_gpu * world, (rank, world), recipe.seed, epoch)
+        sampler = GlobalBatches(len(train), recipe.train.batch_per_gpu * world, (rank, world), order, epoch)
         for x, y in torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=recipe.data.workers):
             step(x, y)
             ends.append(time.perf_counter())
@@ -88,8 +96,7 @@ def main(framework: str, out: str, steps: int) -> None:
     seeding.make_deterministic(on_cuda=False)
     dist.init_process_group("gloo")
     workload = GPT2Workload(recipe.model, recipe.data, dataset(recipe.data.dataset).locate())
-    torch.manual_seed(0)
-    step, teardown = STEP_BUILDERS[framework](workload.build_model(), workload, recipe)
+    step, teardown = STEP_BUILDERS[framework](build_model(workload, recipe), workload, recipe)
     train, _ = workload.datasets()
     started = time.time()
     steps_s = timed_steps(step, train, recipe, steps)

@@ -5,6 +5,10 @@ and as many steps of bench/minimal.py's loop on the framework's own API, in bloc
 Two `torchrun` jobs run a minute or more apart, and this machine's speed drifts by tens of percent
 over minutes, so the side-by-side figure of bench/run.py scatters by more than the 2% it judges.
 Here both sides of a pair run within seconds in the same processes, so drift cancels pair by pair.
+Both sides train the same weights on the same batches (the model and data-order seeds of the kit's
+seed table), so their arithmetic stays alike as training goes on; the warm-up pair's weight
+difference shows it (0.0). On a CPU that matters: after some hundreds of steps denormal numbers
+appear and a step can take twice as long, at the same step on both sides only if they train alike.
 What this cannot see, the processes beside the ranks (the follower, torchrun's `--tee`), bench/run.py
 measures as the cores they keep busy. The first pair is warm-up and left out. Rank 0 writes each
 pair's mean step times as JSON.
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from minimal import STEP_BUILDERS, timed_steps
+from minimal import STEP_BUILDERS, build_model, timed_steps
 
 from repro import events, loop
 from repro.data.sets import dataset
@@ -53,6 +57,11 @@ def kit_block(trainer: loop.Trainer, run_dir: Path) -> tuple[float, int]:
     return epoch["step_s"]["mean"], epoch["step_s"]["count"]
 
 
+def weight_difference(kit: torch.nn.Module, baseline: torch.nn.Module) -> float:
+    """The largest difference between two models' parameters: 0.0 where both trained alike."""
+    return max((a.detach() - b.detach()).abs().max().item() for a, b in zip(kit.parameters(), baseline.parameters()))
+
+
 def main(framework: str, out: str, pairs: int) -> None:
     world = int(os.environ["WORLD_SIZE"])  # torchrun's
     recipe = load_file(recipe_path("gpt2", "smoke"), [
@@ -64,10 +73,10 @@ def main(framework: str, out: str, pairs: int) -> None:
     if dist.get_rank() == 0 and not trainer.reporting:
         raise SystemExit(f"paired.py: {framework} reports from another rank than 0")
     workload = trainer.ctx.workload
-    torch.manual_seed(0)
-    step, teardown = STEP_BUILDERS[framework](workload.build_model(), workload, recipe)
+    baseline = build_model(workload, recipe)
+    step, teardown = STEP_BUILDERS[framework](baseline, workload, recipe)
     block = len(trainer.train_loader(0))
-    measured = []
+    measured, warmed = [], {}
     for index in range(pairs + 1):
         pair = {}
         for side in ("kit", "minimal") if index % 2 else ("minimal", "kit"):
@@ -76,11 +85,13 @@ def main(framework: str, out: str, pairs: int) -> None:
             else:
                 pair["minimal"] = statistics.fmean(timed_steps(step, trainer.train_set, recipe, block))
         pair["first"] = "kit" if index % 2 else "minimal"
-        if index:  # the first pair warms both sides up
+        if index:
             measured.append(pair)
+        else:  # the first pair warms both sides up, each one epoch from the same weights on the same batches
+            warmed = {"max_weight_difference": weight_difference(trainer.adapter.model, baseline)}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"framework": framework, "world": world, "steps_per_block": block,
-                                         "pairs": measured}))
+                                         "warm_up": warmed, "pairs": measured}))
     dist.barrier()
     teardown()
     trainer.close(clean=True)

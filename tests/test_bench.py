@@ -65,6 +65,7 @@ def test_the_paired_overhead_job_alternates_kit_and_baseline_blocks(tmp_path: Pa
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(out.read_text())
     assert found["world"] == 2 and found["steps_per_block"] == 64  # the smoke epoch: 1024 samples, 8 x 2 a step
+    assert found["warm_up"]["max_weight_difference"] == 0.0  # one epoch each: both sides trained alike, bit for bit
     assert [pair["first"] for pair in found["pairs"]] == ["kit", "minimal"]  # the warm-up pair is left out
     assert [pair["kit_steps"] for pair in found["pairs"]] == [64, 64]  # no warm-up steps after the first block
     assert all(0 < pair[side] < 1 for pair in found["pairs"] for side in ("kit", "minimal"))
