@@ -7,8 +7,9 @@ over minutes, so the side-by-side figure of bench/run.py scatters by more than t
 Here both sides of a pair run within seconds in the same processes, so drift cancels pair by pair.
 Both sides train the same weights on the same batches (the model and data-order seeds of the kit's
 seed table), so their arithmetic stays alike as training goes on; the warm-up pair's weight
-difference shows it (0.0). On a CPU that matters: after some hundreds of steps denormal numbers
-appear and a step can take twice as long, at the same step on both sides only if they train alike.
+difference shows it (0.0). On a CPU that matters: some hundreds of steps in, a step can take twice
+as long for a while (denormal numbers, most likely), at the same step on both sides only if they
+train alike.
 What this cannot see, the processes beside the ranks (the follower, torchrun's `--tee`), bench/run.py
 measures as the cores they keep busy. The first pair is warm-up and left out. Rank 0 writes each
 pair's mean step times as JSON.
