@@ -42,11 +42,13 @@ def test_mfu_comes_from_the_peak_table_only() -> None:
 
 def test_an_overhead_is_judged_only_where_its_interval_clears_the_goal() -> None:
     sys.path.insert(0, str(REPO / "bench"))
-    from run import interval95, verdict
+    from run import interval95, overhead_met, verdict
 
     assert verdict([-0.004, 0.019], 0.02) is True
     assert verdict([0.021, 0.05], 0.02) is False
     assert verdict([-0.01, 0.03], 0.02) is None  # holds the goal: cannot tell
+    assert overhead_met(True, None) is True and overhead_met(None, True) is None
+    assert overhead_met(True, False) is False  # the whole, seen directly, above the goal outweighs the parts
     low, high = interval95([0.01, 0.03])  # mean 2%, sd 1.41%, t(1) = 12.71
     assert (low, high) == pytest.approx((0.02 - 0.1271, 0.02 + 0.1271), abs=1e-4)
     low, high = interval95([0.0, 0.02] * 13)  # 26 values, 25 degrees of freedom: t(20) = 2.09, the wider
