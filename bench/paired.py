@@ -79,13 +79,14 @@ def main(framework: str, out: str, pairs: int) -> None:
     block = len(trainer.train_loader(0))
     measured, warmed = [], {}
     for index in range(pairs + 1):
+        order = ("kit", "minimal") if index % 2 else ("minimal", "kit")
         pair = {}
-        for side in ("kit", "minimal") if index % 2 else ("minimal", "kit"):
+        for side in order:
             if side == "kit":
                 pair["kit"], pair["kit_steps"] = kit_block(trainer, run_dir)
             else:
                 pair["minimal"] = statistics.fmean(timed_steps(step, trainer.train_set, recipe, block))
-        pair["first"] = "kit" if index % 2 else "minimal"
+        pair["first"] = order[0]
         if index:
             measured.append(pair)
         else:  # the first pair warms both sides up, each one epoch from the same weights on the same batches

@@ -116,11 +116,15 @@ def repro_steps(framework: str, scratch: Path) -> dict[str, object]:
             "cores": cpu_shares(samples, start["wall"], end["wall"]), "host_reads_per_step": reads / end["step"]}
 
 
+def bench_job(script: str, framework: str, out: Path, count: int) -> list[str]:
+    """A bench script (bench/minimal.py, bench/paired.py) on PROCESSES ranks under plain torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(PROCESSES),
+            str(ROOT / "bench" / script), framework, str(out), str(count)]
+
+
 def minimal_steps(framework: str, scratch: Path) -> dict[str, object]:
     out = scratch / f"minimal-{framework}.json"
-    samples = sampled_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(PROCESSES), str(ROOT / "bench" / "minimal.py"), framework, str(out), str(STEPS)],
-                          scratch, {"PYTHONPATH": str(ROOT)})
+    samples = sampled_run(bench_job("minimal.py", framework, out, STEPS), scratch, {"PYTHONPATH": str(ROOT)})
     timing = json.loads(out.read_text())
     steady = timing["steps_s"][WARMUP_STEPS:]
     return {"mean": statistics.fmean(steady), "count": len(steady),
@@ -140,8 +144,7 @@ def paired_in_job(framework: str, count: int) -> dict[str, object]:
     """Kit against baseline in `count` pairs of blocks inside one job (bench/paired.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"paired-{framework}.json"
-        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(PROCESSES),
-             str(ROOT / "bench" / "paired.py"), framework, str(out), str(count)], Path(tmp), {"PYTHONPATH": str(ROOT)})
+        run(bench_job("paired.py", framework, out, count), Path(tmp), {"PYTHONPATH": str(ROOT)})
         found = json.loads(out.read_text())
     pairs = found["pairs"]
     kit, minimal = (statistics.fmean(pair[side] for pair in pairs) for side in ("kit", "minimal"))
@@ -158,9 +161,8 @@ def overhead(framework: str, rounds: int, pairs: int) -> dict[str, object]:
     beside = (spent["follower_us_per_step"] + extra_launcher) / (paired["repro_step_s"] * 1e6)
     goal = GOALS["overhead"]
     interval = [bound + beside for bound in paired["interval95"]] if paired["interval95"] else None
-    parts = verdict(interval, goal) if interval else None  # one pair: no interval, no verdict
-    whole = verdict(separate["interval95"], goal) if separate["interval95"] else None
-    return {"overhead": paired["overhead"] + beside, "goal": goal, "met": overhead_met(parts, whole),
+    whole = verdict(separate["interval95"], goal)
+    return {"overhead": paired["overhead"] + beside, "goal": goal, "met": overhead_met(verdict(interval, goal), whole),
             "interval95": interval, "beside_ranks": beside, "paired": paired, "separate_jobs": {**separate, "met": whole}}
 
 
@@ -171,9 +173,11 @@ def overhead_met(parts: bool | None, whole: bool | None) -> bool | None:
     return False if whole is False else parts
 
 
-def verdict(interval: list[float], goal: float) -> bool | None:
+def verdict(interval: list[float] | None, goal: float) -> bool | None:
     """Met where the whole 95% interval is within the goal, not met where it lies above it, None where
-    it holds the goal: the measurement cannot tell."""
+    it holds the goal or there is none (a single sample): the measurement cannot tell."""
+    if interval is None:
+        return None
     low, high = interval
     return True if high <= goal else False if low > goal else None
 
@@ -272,12 +276,17 @@ def table2_wall() -> dict[str, float]:
 VERDICTS = {True: "met", False: "not met", None: "not resolved here (its 95% interval holds the goal)"}
 
 
+def bounds(interval: list[float] | None) -> tuple[float, float]:
+    """An interval's ends for printing (nan without one)."""
+    return tuple(interval) if interval else (float("nan"), float("nan"))
+
+
 def print_overhead(framework: str, figure: dict) -> None:
     paired, separate, spent = figure["paired"], figure["separate_jobs"], figure["separate_jobs"]["budget"]
-    low, high = figure["interval95"] or (float("nan"), float("nan"))
+    low, high = bounds(figure["interval95"])
     print(f"harness overhead {framework}: {figure['overhead']:+.1%} (goal <= {GOALS['overhead']:.0%}; 95% interval "
           f"{low:+.1%}..{high:+.1%}): {VERDICTS[figure['met']]}")
-    pair_low, pair_high = paired["interval95"] or (float("nan"), float("nan"))
+    pair_low, pair_high = bounds(paired["interval95"])
     print(f"  the loop, paired in one job: {paired['overhead']:+.1%} ({paired['repro_step_s'] * 1e3:.2f} ms vs "
           f"{paired['minimal_step_s'] * 1e3:.2f} ms per step over {len(paired['pairs'])} pairs of "
           f"{paired['steps_per_block']}-step blocks; interval {pair_low:+.1%}..{pair_high:+.1%})")
@@ -285,7 +294,7 @@ def print_overhead(framework: str, figure: dict) -> None:
           f"({spent['follower_us_per_step']:.0f} us a step), launcher +{spent['extra_launcher_us_per_step']:.0f} us "
           f"a step over the baseline's; the loop reads the host {spent['host_reads_per_step']:.3f} times a step")
     rounds = ", ".join(f"{value:+.1%}" for value in separate["per_round"])
-    sep_low, sep_high = separate["interval95"] or (float("nan"), float("nan"))
+    sep_low, sep_high = bounds(separate["interval95"])
     print(f"  as separate jobs: {separate['overhead']:+.1%} ({separate['repro_step_s'] * 1e3:.2f} ms vs "
           f"{separate['minimal_step_s'] * 1e3:.2f} ms; rounds {rounds}; interval {sep_low:+.1%}..{sep_high:+.1%}): "
           f"on its own {VERDICTS[separate['met']]}")
