@@ -45,7 +45,7 @@ MLFLOW_PORT ?= 5000
 MLFLOW_STORE ?= sqlite:///mlflow.db
 EXPERIMENT ?= repro
 
-.PHONY: test-image help setup lbann-python install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
+.PHONY: test-deps test-image help setup lbann-python install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
 	image sif compose-up bench gpu-check
 
 help:  ## list targets
@@ -78,14 +78,17 @@ data:  ## prepare the smoke datasets (digits is generated; wikitext-2 is read fr
 # The image test spends most of its time on downloads and disk (building the image), so it runs
 # alongside the others, its output in IMAGE_TEST_LOG, shown when both are done.
 IMAGE_TEST_LOG ?= .test-image.log
-test: data  ## run the test suite (the image test alongside the others; the slowest tests are listed)
+test: data test-deps  ## run the test suite (the image test alongside the others; the slowest tests are listed)
 	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=10 tests/test_image.py $(PYTEST_ARGS) > $(IMAGE_TEST_LOG) 2>&1 & image=$$!; \
 	trap 'kill $$image 2>/dev/null' INT TERM; \
 	$(PYTHON) -m pytest -q --durations=25 --ignore=tests/test_image.py $(PYTEST_ARGS); others=$$?; \
 	wait $$image; image=$$?; echo "--- tests/test_image.py (run alongside) ---"; cat $(IMAGE_TEST_LOG); \
 	exit $$((others || image))
 
-test-image: data  ## only the image test (part of `make test`): build from a local Debian base, run it as users do (minutes)
+test-deps:  ## install the Debian packages the tests need (tests/debian-packages.txt) where missing, as root
+	bash tests/test-deps.sh
+
+test-image: data test-deps  ## only the image test (part of `make test`): build from a local Debian base, run it as users do (minutes)
 	$(PYTHON) -m pytest -q tests/test_image.py $(PYTEST_ARGS)
 
 test-fast:  ## unit tests only (no multi-process training)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,16 +21,11 @@ from typing import Iterator
 
 import pytest
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
+from host import free_port, program
+
 PG_USER = "postgres"  # initdb refuses to run as root
 START_TIMEOUT_S = 600  # minutes on a loaded machine: the server imports its whole app
 STOP_TIMEOUT_S = 20
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def as_cluster_owner(command: list[str]) -> list[str]:
@@ -45,18 +39,18 @@ class PostgresCluster:
         if os.geteuid() == 0:
             shutil.chown(self.folder, PG_USER, PG_USER)
         self.data = self.folder / "data"
-        self.run([str(PG_BIN / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "repro", "--no-sync",
+        self.run([program("initdb"), "-D", str(self.data), "-A", "trust", "-U", "repro", "--no-sync",
                   "-E", "UTF8"])
-        self.run([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.folder / "postgres.log"), "-w",
+        self.run([program("pg_ctl"), "-D", str(self.data), "-l", str(self.folder / "postgres.log"), "-w",
                   "-o", f"-h 127.0.0.1 -p {self.port} -k {self.folder} -c fsync=off", "start"])
-        self.run([str(PG_BIN / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "repro", "mlflow"])
+        self.run([program("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "repro", "mlflow"])
         self.uri = f"postgresql://repro@127.0.0.1:{self.port}/mlflow"
 
     def run(self, command: list[str]) -> None:
         subprocess.run(as_cluster_owner(command), check=True, capture_output=True, cwd=self.folder)
 
     def stop(self) -> None:
-        self.run([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"])
+        self.run([program("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"])
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

@@ -8,7 +8,6 @@ for trying the kit by hand; README, "SLURM", shows the slurm.conf it writes.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import socket
@@ -16,6 +15,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from host import free_ports, program
 
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4  # more than this host may have: each node runs a few CPU processes standing in for GPUs
@@ -61,15 +62,6 @@ PartitionName=inactive Nodes=n[1-2] MaxTime=INFINITE State=INACTIVE
 """
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports free on 127.0.0.1 now (held together while picking, so they differ)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
 @dataclass
 class Cluster:
     root: Path
@@ -109,27 +101,28 @@ class Cluster:
         for folder in ("ctld", "spool"):
             (self.root / folder).mkdir()
 
-    def start_munge(self) -> None:
+    def start_munge(self, munged: str) -> None:
         state = self.root / "munge"
         state.mkdir(mode=0o700)
         key = state / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         self.daemons.append(subprocess.Popen([
-            "munged", "--foreground", "--force", f"--socket={state / 'munge.socket'}", f"--key-file={key}",
+            munged, "--foreground", "--force", f"--socket={state / 'munge.socket'}", f"--key-file={key}",
             f"--pid-file={state / 'munged.pid'}", f"--log-file={state / 'munged.log'}",
             f"--seed-file={state / 'munged.seed'}",
         ], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self.wait_for(lambda: (state / "munge.socket").exists(), "munged's socket")
 
     def start(self) -> "Cluster":
+        slurmctld, slurmd, munged = program("slurmctld"), program("slurmd"), program("munged")
         self.write_config()
-        self.start_munge()
+        self.start_munge(munged)
         env = {**os.environ, **self.env}
-        self.daemons.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(self.conf)], env=env,
+        self.daemons.append(subprocess.Popen([slurmctld, "-D", "-i", "-f", str(self.conf)], env=env,
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for node in NODES:
-            self.daemons.append(subprocess.Popen(["slurmd", "-D", "-N", node, "-f", str(self.conf)], env=env,
+            self.daemons.append(subprocess.Popen([slurmd, "-D", "-N", node, "-f", str(self.conf)], env=env,
                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self.wait_for(self.nodes_idle, "both nodes idle")
         return self

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from host import free_port, program
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILES = [REPO / "Dockerfile", REPO / "docker" / "mlflow" / "Dockerfile", REPO / "docker" / "postgres" / "Dockerfile"]
@@ -104,7 +104,7 @@ def test_image_labels_are_read_from_the_build_and_servers_match_the_pins() -> No
 
 def test_compose_file_is_accepted_and_wires_the_services() -> None:
     out = subprocess.run(
-        [tool("docker-compose"), "-f", str(REPO / "docker-compose.yml"), "config"],
+        [program("docker-compose"), "-f", str(REPO / "docker-compose.yml"), "config"],
         capture_output=True, text=True, cwd=REPO,
     )
     assert out.returncode == 0, out.stderr
@@ -124,7 +124,7 @@ def test_compose_file_is_accepted_and_wires_the_services() -> None:
     assert "deploy" not in repro  # GPUs are opt-in: a reservation stops the stack where there are none
     assert repro["command"][0] == "run"  # the image's entrypoint is `repro`
     gpu = subprocess.run(
-        [tool("docker-compose"), "-f", str(REPO / "docker-compose.yml"), "-f", str(REPO / "docker" / "compose.gpu.yml"),
+        [program("docker-compose"), "-f", str(REPO / "docker-compose.yml"), "-f", str(REPO / "docker" / "compose.gpu.yml"),
          "config"], capture_output=True, text=True, cwd=REPO, check=True,
     )
     device = yaml.safe_load(gpu.stdout)["services"]["repro"]["deploy"]["resources"]["reservations"]["devices"][0]
@@ -160,12 +160,6 @@ def test_apptainer_definition_parses_and_runs_repro_run(tmp_path: Path, bootstra
     assert recipe.cmd == 'exec repro run "$@"'
     assert 'echo "repro doctor" >> /tests.sh' in recipe.install  # spython's form of %test
     assert "PYTHONNOUSERSITE=1" in recipe.environ
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from repro.data.sets import dataset
+from host import free_port, program
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = "/usr/bin/docker"  # Debian's client: its built-in BuildKit needs no buildx plugin
@@ -32,12 +33,6 @@ COMPOSE_TAG = "compose-test"  # the compose file runs repro:${REPRO_TAG}
 DEEPSPEED_OPS = ["cpu_adam", "shm_comm", "utils"]
 STEPS = 2
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def listening(port: int) -> bool:
@@ -68,7 +63,7 @@ def daemon(tmp_path_factory):
     host = f"unix://{state}/docker.sock"
     log = open(state / "dockerd.log", "w")
     process = subprocess.Popen(
-        ["/usr/sbin/dockerd", "--host", host, "--exec-root", str(state / "exec"), "--pidfile", str(state / "pid"),
+        [program("dockerd"), "--host", host, "--exec-root", str(state / "exec"), "--pidfile", str(state / "pid"),
          "--data-root", os.environ.get("REPRO_DOCKER_ROOT", "/var/lib/docker")], stdout=log, stderr=subprocess.STDOUT)
     os.environ["DOCKER_HOST"] = host
     try:
@@ -87,13 +82,13 @@ def base(daemon, tmp_path_factory) -> str:
     port = free_port()
     (state / "config.yml").write_text(
         f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {state}/store\nhttp:\n  addr: 127.0.0.1:{port}\n")
-    registry = subprocess.Popen(["docker-registry", "serve", str(state / "config.yml")],
+    registry = subprocess.Popen([program("docker-registry"), "serve", str(state / "config.yml")],
                                 stdout=open(state / "log", "w"), stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: listening(port), "docker-registry", 30)
         local = "repro-test-base:bookworm"
         if docker("image", "inspect", local, check=False).returncode != 0:  # kept between runs, like the layer cache
-            bootstrap = subprocess.Popen(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={BASE_PACKAGES}",
+            bootstrap = subprocess.Popen([program("mmdebstrap"), "--quiet", "--variant=minbase", f"--include={BASE_PACKAGES}",
                                           "bookworm", "-"], stdout=subprocess.PIPE)
             docker("import", "-", local, stdin=bootstrap.stdout)
             assert bootstrap.wait() == 0
@@ -193,7 +188,7 @@ def test_cpu_ops_target_the_portable_cpu_and_load(image: str, tmp_path: Path) ->
         docker("cp", f"{container}:{path}", str(tmp_path / "op.so"))
     finally:
         docker("rm", container)
-    disassembly = subprocess.run(["objdump", "-d", str(tmp_path / "op.so")], capture_output=True, text=True, check=True)
+    disassembly = subprocess.run([program("objdump"), "-d", str(tmp_path / "op.so")], capture_output=True, text=True, check=True)
     assert "%ymm" in disassembly.stdout and "%zmm" not in disassembly.stdout
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import sys
 from collections import Counter
 from pathlib import Path
@@ -17,17 +16,12 @@ from repro import events, loop
 from repro.data.sets import dataset
 from repro.metrics import WARMUP_STEPS, step_time_summary
 from repro.recipe import load_file, recipe_path
+from host import free_port
 
 STEPS = 40  # 320 samples / batch 8: one epoch, two full windows of loop.SYNC_EVERY and a partial one
 # Tensor methods that wait for the device, and collectives that wait for peers.
 TENSOR_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 COLLECTIVES = ("all_reduce", "barrier", "all_gather_object", "broadcast", "all_gather", "reduce")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

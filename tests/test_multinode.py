@@ -2,19 +2,13 @@
 Only the first node records the run, so the job lands once in MLflow."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 
 from conftest import framework_params, mlflow_runs, read_events
+from host import free_port
 
 SETS = ("--max-steps", "6", "--set", "data.max_train_samples=256", "--set", "data.max_val_samples=32")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from repro.adapters.base import RunContext
 from repro.optim import make_optimizer
 from repro.recipe import load_file, recipe_path
 from repro.schema import RecipeError
+from host import free_port
 
 TINY_GPT2 = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.seq_len=16", "train.batch_per_gpu=2"]
 STEPS = 5
@@ -153,12 +153,6 @@ def test_pipedream_one_stage_equals_plain_sgd():
 def loss_value(loss: torch.Tensor | None) -> float | None:
     """A step's loss as the loop logs it (train_step keeps it on the device)."""
     return None if loss is None else float(loss)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def stage_worker(rank: int, world: int, port: int, overrides: list[str], out: Path) -> None:

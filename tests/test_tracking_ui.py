@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 
 from conftest import REPO, Repro
-from mlflow_server import START_TIMEOUT_S, free_port
+from host import free_port, program
+from mlflow_server import START_TIMEOUT_S
 from test_tracking_server import isolate_caches
 
 PAGE_BUDGET_MS = 30000  # Chromium's virtual time for the single-page app to fetch and render
@@ -25,7 +26,7 @@ def page_text(url: str) -> str:
     """The visible text of `url` once headless Chromium has rendered it."""
     with tempfile.TemporaryDirectory() as profile:
         dom = subprocess.run(
-            ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+            [program("chromium"), "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
              f"--window-size={WINDOW}", f"--virtual-time-budget={PAGE_BUDGET_MS}", "--dump-dom", url],
             capture_output=True, text=True, timeout=300,
         ).stdout
