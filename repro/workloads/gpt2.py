@@ -134,12 +134,6 @@ class TokenChunks(torch.utils.data.Dataset):
         window = self.ids[index * self.seq_len : (index + 1) * self.seq_len + 1]
         return window[:-1], window[1:]
 
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A batch's samples from one gather (the DataLoader's batched fetch, through Subset too): three
-        tensor slices a sample took most of the loop's time between steps (docs/measurement.md)."""
-        windows = self.ids.unfold(0, self.seq_len + 1, self.seq_len).index_select(0, torch.tensor(indices))
-        return list(zip(windows[:, :-1].unbind(), windows[:, 1:].unbind()))
-
 
 def tokenize(path: Path, tokenizer: str) -> torch.Tensor:
     text = path.read_text(encoding="utf-8")
