@@ -12,7 +12,7 @@ as long for a while (denormal numbers, most likely), at the same step on both si
 train alike.
 What this cannot see, the processes beside the ranks (the follower, torchrun's `--tee`), bench/run.py
 measures as the cores they keep busy. The first pair is warm-up and left out. Rank 0 writes each
-pair's mean step times as JSON.
+pair's mean step times, and the kit block's own loop time per step (`harness_us`), as JSON.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/paired.py ddp OUT.json PAIRS
 """
@@ -48,14 +48,15 @@ def fresh_run(trainer: loop.Trainer, run_dir: Path) -> None:
         trainer.writer = events.EventWriter(run_dir / events.EVENTS_FILE)
 
 
-def kit_block(trainer: loop.Trainer, run_dir: Path) -> tuple[float, int]:
-    """One epoch through the kit's loop: its mean step time and step count (on the reporting rank)."""
+def kit_block(trainer: loop.Trainer, run_dir: Path) -> tuple[float, int, float]:
+    """One epoch through the kit's loop: its mean step time, step count and the loop's own time per
+    step in microseconds (`loop_us.harness`; on the reporting rank)."""
     fresh_run(trainer, run_dir)
     trainer.run()
     if not trainer.writer:
-        return 0.0, 0
+        return 0.0, 0, 0.0
     (epoch,) = [e for e in events.read_all(run_dir / events.EVENTS_FILE) if e["event"] == events.EPOCH]
-    return epoch["step_s"]["mean"], epoch["step_s"]["count"]
+    return epoch["step_s"]["mean"], epoch["step_s"]["count"], epoch["loop_us"]["harness"]
 
 
 def weight_difference(kit: torch.nn.Module, baseline: torch.nn.Module) -> float:
@@ -83,7 +84,7 @@ def main(framework: str, out: str, pairs: int) -> None:
         pair = {}
         for side in order:
             if side == "kit":
-                pair["kit"], pair["kit_steps"] = kit_block(trainer, run_dir)
+                pair["kit"], pair["kit_steps"], pair["harness_us"] = kit_block(trainer, run_dir)
             else:
                 pair["minimal"] = statistics.fmean(timed_steps(step, trainer.train_set, recipe, block))
         pair["first"] = order[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from functools import partial
 from typing import Any, Iterator, Sequence
 
@@ -46,9 +47,12 @@ class Counter:
         self.current = 0
         self.peak = 0
         self.lock = threading.Lock()  # torchgpipe saves on worker threads and releases on the main one
+        self.spent_ns = 0  # host time in pack and release: what counting adds to a step (repro.loop)
 
     def pack(self, tensor: torch.Tensor) -> Any:
+        started = time.perf_counter_ns()
         if is_weight(tensor) or tensor.device.type == "meta":
+            self.spent_ns += time.perf_counter_ns() - started  # unlocked: a lost addition loses a few ns
             return tensor
         storage = tensor.untyped_storage()
         key = (str(tensor.device), storage.data_ptr())
@@ -58,21 +62,25 @@ class Counter:
                 self.current += entry[1]
                 self.peak = max(self.peak, self.current)
             entry[0] += 1
-        # detached: a saved output would otherwise hold its own grad_fn, a cycle only the garbage collector
-        # frees (autograd gives the unpacked tensor its place in the graph again)
-        return _Saved(tensor.detach(), self, key)
+            # detached: a saved output would otherwise hold its own grad_fn, a cycle only the garbage
+            # collector frees (autograd gives the unpacked tensor its place in the graph again)
+            saved = _Saved(tensor.detach(), self, key)
+            self.spent_ns += time.perf_counter_ns() - started
+        return saved
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Saved) else packed
 
     def release(self, key: tuple[str, int]) -> None:
+        started = time.perf_counter_ns()
         with self.lock:
             entry = self.held[key]
             entry[0] -= 1
             if entry[0] == 0:
                 self.current -= entry[1]
                 del self.held[key]
+            self.spent_ns += time.perf_counter_ns() - started
 
     def hooks(self) -> contextlib.AbstractContextManager:
         """Count what is saved for backward on this thread while the context is open."""
@@ -109,6 +117,10 @@ class PartitionCounters:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         return self.counters[getattr(self.local, "current", -1)].pack(tensor)
+
+    @property
+    def spent_ns(self) -> int:
+        return sum(counter.spent_ns for counter in self.counters)
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:

@@ -23,7 +23,7 @@ import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from repro import checkpoint, events, registry, seeding
 from repro.adapters.base import Adapter, RunContext
 from repro.metrics import (
-    WARMUP_STEPS, StepClock, Timer, device_name, device_used_bytes, peak_memory_bytes, step_time_summary,
+    WARMUP_STEPS, StepClock, Stopwatch, Timer, device_name, device_used_bytes, peak_memory_bytes, step_time_summary,
 )
 from repro.recipe import Recipe, resolve
 from repro.runfiles import RUN_FILE
@@ -99,6 +99,30 @@ class EvenShard(torch.utils.data.Sampler):
                 yield list(range(first, last))
 
 
+class InProcessBatches:
+    """What a DataLoader without workers yields (the same fetch, through `__getitems__` where the dataset
+    has it, and the same `default_collate`), without its machinery around each batch (a profiler range
+    and checks): the smoke GPT-2's batch took 71 instead of 126 us of CPU (medians; docs/measurement.md)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler):
+        self.dataset, self.sampler = dataset, sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator:
+        fetch = getattr(self.dataset, "__getitems__", None) or (lambda indices: [self.dataset[i] for i in indices])
+        for indices in self.sampler:
+            yield torch.utils.data.default_collate(fetch(indices))
+
+
+def batches(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler, workers: int) -> InProcessBatches | torch.utils.data.DataLoader:
+    """The batches of `sampler` (a batch sampler): in this process, or from a DataLoader's `workers`."""
+    if workers:
+        return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers)
+    return InProcessBatches(dataset, sampler)
+
+
 def pick_device(recipe: Recipe, local_rank: int) -> torch.device:
     wanted = recipe.run.device
     if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
@@ -160,10 +184,10 @@ class Trainer:
         if self.writer:
             self.writer.emit(kind, **fields)
 
-    def loader(self, dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.recipe.data.workers)
+    def loader(self, dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler) -> Iterable:
+        return batches(dataset, sampler, self.recipe.data.workers)
 
-    def train_loader(self, epoch: int, skip: int = 0) -> torch.utils.data.DataLoader:
+    def train_loader(self, epoch: int, skip: int = 0) -> Iterable:
         shard, seed = self.adapter.data_shard(), self.ctx.seeds["data_order"]
         sampler = GlobalBatches(len(self.train_set), self.global_batch, shard, seed, epoch, skip)
         return self.loader(self.train_set, sampler)
@@ -173,14 +197,37 @@ class Trainer:
         self.host_syncs[f"{self.phase}/{site}"] += 1
         return tensor.tolist()
 
-    def counting_activations(self) -> contextlib.AbstractContextManager:
-        """The activation counter's hooks, over this process's first steps only: a Python call per saved
-        tensor would slow every step (measured: about 5% on the smoke GPT-2). Each step saves the same
-        tensors, so the warm-up steps (left out of the step-time distribution) plus one per process (a
-        pipeline's in-flight mini-batches peak once it has filled, one per stage) see the peak."""
+    def counting_activations(self) -> contextlib.AbstractContextManager | None:
+        """The activation counter's hooks, over this process's first steps only (None after them): a
+        Python call per saved tensor would slow every step (measured: about 5% on the smoke GPT-2). Each
+        step saves the same tensors, so the warm-up steps (left out of the step-time distribution) plus
+        one per process (a pipeline's in-flight mini-batches peak once it has filled, one per stage) see
+        the peak."""
         if self.steps_here < WARMUP_STEPS + self.ctx.world:
             return self.adapter.activations.hooks()
-        return contextlib.nullcontext()
+        return None
+
+    def counted_step(self, inputs: object, targets: object, spent: Stopwatch) -> torch.Tensor | None:
+        """The adapter's step, inside the kit's counting context while it is open. What the counters
+        cost inside the step goes to `spent`: entering and leaving their context, and the time their
+        callbacks timed themselves (`spent_ns`, e.g. the activation counter's saved-tensor hooks)."""
+        counting = self.counting_activations()
+        if counting is None:
+            return self.adapter.train_step(inputs, targets)
+        hooks_before = self.counters_spent_ns()
+        spent.start()
+        with counting:
+            spent.stop()
+            loss = self.adapter.train_step(inputs, targets)
+            spent.start()
+        spent.stop()
+        spent.ns += self.counters_spent_ns() - hooks_before
+        return loss
+
+    def counters_spent_ns(self) -> int:
+        """Nanoseconds the counters' callbacks have timed themselves so far (a counter without
+        callbacks inside the step has no `spent_ns`: entering and leaving its context is its cost)."""
+        return sum(getattr(counter, "spent_ns", 0) for counter in (self.adapter.activations,))
 
     def log_losses(self) -> None:
         """Reduce the pending steps' losses in one collective and write their step events."""
@@ -245,11 +292,14 @@ class Trainer:
                 break
             warm = max(WARMUP_STEPS - self.steps_here, 0)  # warm-up steps of this process still in this epoch
             self.phase = "steps"
+            first_step, harness, counters = at.epoch_step, Stopwatch(), Stopwatch()
             with Timer(self.device) as timer:
                 clock = StepClock(self.device)
+                harness.start()  # the loop's own time: all but the adapter's steps (and the counters in them)
                 for inputs, targets in self.train_loader(epoch, at.epoch_step):
-                    with self.counting_activations():
-                        loss = self.adapter.train_step(inputs, targets)
+                    harness.stop()
+                    loss = self.counted_step(inputs, targets, counters)
+                    harness.start()
                     at.step, at.epoch_step, self.steps_here = at.step + 1, at.epoch_step + 1, self.steps_here + 1
                     if at.step % recipe.train.log_every == 0:
                         self.pending.append((at.step, epoch, loss))
@@ -261,6 +311,7 @@ class Trainer:
                     if self.stop_agreed(at.step):
                         at.epoch_s += timer.seconds_so_far()
                         return self.interrupt(at, epoch)
+                harness.stop()
                 self.adapter.end_epoch()
             self.phase = "epoch"
             self.log_losses()
@@ -268,11 +319,14 @@ class Trainer:
             at.elapsed_s += at.epoch_s
             samples = at.epoch_step * self.global_batch
             step_s = {**step_time_summary(clock.seconds()[warm:]), "warmup": min(warm, at.epoch_step)}
+            ran = at.epoch_step - first_step
+            loop_us = {"harness": harness.mean_us(ran), "counters": counters.mean_us(ran)}
             metrics = self.validate()
             memory = self.memory()
             self.emit(
                 events.EPOCH, epoch=epoch, step=at.step, epoch_s=at.epoch_s, elapsed_s=at.elapsed_s,
-                samples=samples, samples_per_s=samples / at.epoch_s, step_s=step_s, val=metrics, **memory,
+                samples=samples, samples_per_s=samples / at.epoch_s, step_s=step_s, loop_us=loop_us, val=metrics,
+                **memory,
             )
             at.epoch, at.epoch_step, at.epoch_s = epoch + 1, 0, 0.0
             self.save(at)

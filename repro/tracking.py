@@ -113,6 +113,9 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
     step_s = event.get("step_s") or {}  # the loop's step-time distribution (absent from LBANN's driver)
     out += [(events.STEP_TIME.format(k), step_s[k], step) for k in ("median", "p10", "p90", "mean") if step_s.get(k) is not None]
     out += [(events.STEP_COUNT, step_s["count"], step)] if "count" in step_s else []
+    loop_us = event.get("loop_us") or {}  # the loop's own time (absent from LBANN's driver)
+    out += [(key, loop_us[name], step) for key, name in ((events.HARNESS_TIME, "harness"), (events.COUNTERS_TIME, "counters"))
+            if loop_us.get(name) is not None]
     ranks = event["ranks"]
     state = {r["rank"]: r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks}
     out += [(events.PEAK_MEMORY, max(r["peak_bytes"] for r in ranks), step)]

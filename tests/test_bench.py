@@ -55,6 +55,20 @@ def test_an_overhead_is_judged_only_where_its_interval_clears_the_goal() -> None
     assert high - 0.01 == pytest.approx(2.09 * 0.0101980 / 26 ** 0.5, rel=1e-4)
 
 
+def test_the_loops_own_time_is_judged_as_a_share_of_the_kits_step() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    from run import harness_share
+
+    pairs = [{"kit": 0.035, "harness_us": 140.0}, {"kit": 0.035, "harness_us": 147.0}]  # 0.40% and 0.42%
+    found = harness_share(pairs)
+    assert found["us"] == 143.5 and found["share"] == pytest.approx(0.0041)
+    low, high = found["interval95"]  # 0.41% +- 12.71 * 0.01414% / sqrt(2) = 0.127%
+    assert (low, high) == pytest.approx((0.0041 - 0.00127, 0.0041 + 0.00127), abs=1e-5)
+    assert found["goal"] == 0.01 and found["met"] is True
+    assert harness_share([{"kit": 0.035, "harness_us": 700.0}, {"kit": 0.035, "harness_us": 1400.0}])["met"] is None
+    assert harness_share([{"kit": 0.035, "harness_us": 700.0}, {"kit": 0.035, "harness_us": 710.0}])["met"] is False
+
+
 @pytest.mark.slow
 def test_the_paired_overhead_job_alternates_kit_and_baseline_blocks(tmp_path: Path) -> None:
     out = tmp_path / "paired.json"
@@ -71,3 +85,4 @@ def test_the_paired_overhead_job_alternates_kit_and_baseline_blocks(tmp_path: Pa
     assert [pair["first"] for pair in found["pairs"]] == ["kit", "minimal"]  # the warm-up pair is left out
     assert [pair["kit_steps"] for pair in found["pairs"]] == [64, 64]  # no warm-up steps after the first block
     assert all(0 < pair[side] < 1 for pair in found["pairs"] for side in ("kit", "minimal"))
+    assert all(0 < pair["harness_us"] < pair["kit"] * 1e6 for pair in found["pairs"])  # the loop's own time, a part of a step

@@ -1,0 +1,182 @@
+"""Where the loop's time between the frameworks' steps goes, two ways, on the smoke GPT-2:
+
+- direct: the kit's loop (repro.loop.Trainer.run, 3 epochs: 192 steps) with the pieces it calls
+  between steps wrapped in a `perf_counter_ns` stopwatch each (the data loader's next batch, the
+  step clock, the loss window, the stop vote, the max-steps check), against the epoch events' own
+  `loop_us.harness`: microseconds per step, without a profiler's cost;
+- profiled: cProfile on rank 0 over another 192 steps of the kit's loop and as many of
+  bench/minimal.py's loop, on the same ranks: per step, the cumulative time of every function the
+  loops call directly (inflated by the profiler's cost per Python call). The full profiles are
+  written beside OUT (OUT.kit.prof, OUT.minimal.prof) for `python -m pstats` or snakeviz.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_loop.py ddp OUT
+"""
+from __future__ import annotations
+
+import cProfile
+import gc
+import contextlib
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from minimal import STEP_BUILDERS, build_model, timed_steps
+from paired import fresh_run
+
+from repro import events, loop, metrics
+from repro.data.sets import dataset
+from repro.recipe import load_file, recipe_path
+
+VAL_SAMPLES = 32  # validation runs between epochs, outside the steps
+
+
+def direct_callees(profile: cProfile.Profile, module: str, caller: str) -> list[tuple[float, str]]:
+    """(cumulative seconds, name) of every function that `caller` of file `module` called, from the
+    calls it made itself, plus `caller`'s own time."""
+    stats = pstats.Stats(profile).stats
+
+    def is_caller(file: str, name: str) -> bool:
+        return name == caller and file.endswith(module)
+
+    rows = []
+    for (file, line, name), (_, _, own, _, callers) in stats.items():
+        cumulative = sum(entry[3] for (f, _, func), entry in callers.items() if is_caller(f, func))
+        if cumulative:
+            rows.append((cumulative, f"{name} ({Path(file).name}:{line})"))
+        if is_caller(file, name):
+            rows.append((own, f"{caller}'s own lines"))
+    return sorted(rows, reverse=True)
+
+
+# What the loop calls between steps, by owner and attribute name (the loader's iterator: both loops')
+PIECES = {
+    "next batch (sampler, fetch, collate)": (loop.InProcessBatches, "__iter__"),
+    "loss window (log_losses)": (loop.Trainer, "log_losses"),
+    "stop vote (stop_agreed)": (loop.Trainer, "stop_agreed"),
+    "max-steps check (done)": (loop.Trainer, "done"),
+    "step clock (StepClock.mark)": (metrics.StepClock, "mark"),
+}
+
+
+def timed_pieces() -> dict[str, list[int]]:
+    """Wrap every piece in a stopwatch: name -> [wall nanoseconds, calls, CPU nanoseconds of this thread]
+    while the loop runs (on a loaded machine the wall time holds the waits for a core; the CPU time not)."""
+    spent = {name: [0, 0, 0] for name in PIECES}
+    for name, (owner, attribute) in PIECES.items():
+        original = getattr(owner, attribute)
+
+        def timed(*args, _original=original, _spent=spent[name], **kwargs):
+            started, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _spent[0] += time.perf_counter_ns() - started
+                _spent[1] += 1
+                _spent[2] += time.thread_time_ns() - cpu
+
+        def timed_batches(batches: loop.InProcessBatches, _original=original, _spent=spent[name]) -> Iterator:
+            inner = _original(batches)
+            while True:
+                started, cpu = time.perf_counter_ns(), time.thread_time_ns()
+                batch = next(inner, None)
+                _spent[0] += time.perf_counter_ns() - started
+                _spent[1] += 1
+                _spent[2] += time.thread_time_ns() - cpu
+                if batch is None:
+                    return
+                yield batch
+
+        setattr(owner, attribute, timed_batches if attribute == "__iter__" else timed)
+    return spent
+
+
+def gc_time() -> Callable:
+    """Time Python's garbage collections (wherever they run: in a step or between steps) into PIECES'
+    budget as "garbage collection"; returns the callback to remove."""
+    spent = GC_SPENT
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            spent[2] = time.perf_counter_ns()
+        else:
+            spent[0] += time.perf_counter_ns() - spent[2]
+            spent[1] += 1
+
+    gc.callbacks.append(callback)
+    return callback
+
+
+GC_SPENT = [0, 0, 0]  # nanoseconds, collections, start of the one running
+
+
+def direct_budget(trainer: loop.Trainer, run_dir: Path) -> None:
+    """Run the kit's loop with its pieces timed; print each per step beside the loop's own total."""
+    originals = {name: getattr(owner, attribute) for name, (owner, attribute) in PIECES.items()}
+    spent = timed_pieces()
+    collecting = gc_time()
+    trainer.run()
+    gc.callbacks.remove(collecting)
+    for name, (owner, attribute) in PIECES.items():
+        setattr(owner, attribute, originals[name])
+    if not trainer.writer:
+        return
+    trainer.writer.close()
+    epochs = [e for e in events.read_all(run_dir / events.EVENTS_FILE) if e["event"] == events.EPOCH]
+    steps = epochs[-1]["step"]
+    harness = sum(e["loop_us"]["harness"] * e["samples"] / trainer.global_batch for e in epochs) / steps
+    step_ms = sum(e["step_s"]["mean"] for e in epochs) / len(epochs) * 1e3
+    print(f"direct: microseconds per step over {steps} steps, load average {os.getloadavg()[0]:.1f}")
+    print(f"  {harness:10.1f}  the loop's own time (loop_us.harness), of a {step_ms:.2f} ms mean step "
+          f"({harness / step_ms / 10:.2f}%)")
+    for name, (ns, calls, cpu_ns) in spent.items():
+        print(f"  {ns / 1e3 / steps:10.1f}  {name}: {calls} calls ({cpu_ns / 1e3 / steps:.1f} us of CPU)")
+    counted = sum(ns for ns, _, _ in spent.values()) / 1e3 / steps
+    print(f"  ({GC_SPENT[0] / 1e3 / steps:8.1f}  garbage collection, in steps or between them: {GC_SPENT[1]} collections)")
+    print(f"  {harness - counted:10.1f}  the rest (Trainer.run's own lines, stopwatches, wrappers)")
+
+
+def report(title: str, rows: list[tuple[float, str]], steps: int) -> None:
+    print(f"{title}: microseconds per step over {steps} steps (profiled)")
+    for seconds, name in rows:
+        if seconds * 1e6 / steps >= 0.5:
+            print(f"  {seconds * 1e6 / steps:10.1f}  {name}")
+
+
+def main(framework: str, out: str) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    recipe = load_file(recipe_path("gpt2", "smoke"), [
+        f"run.framework={framework}", f"run.gpus={world}", f"data.max_val_samples={VAL_SAMPLES}",
+    ])
+    run_dir = Path(out).with_suffix(".run")
+    run_dir.mkdir(exist_ok=True)
+    trainer = loop.Trainer(recipe, run_dir, dataset(recipe.data.dataset).locate())
+    steps = len(trainer.train_loader(0)) * recipe.train.epochs
+    fresh_run(trainer, run_dir)  # OUT's run folder may hold a finished run of an earlier call
+    direct_budget(trainer, run_dir)
+    fresh_run(trainer, run_dir)
+    profiles = {"kit": cProfile.Profile(), "minimal": cProfile.Profile()}
+    with profiles["kit"] if dist.get_rank() == 0 else contextlib.nullcontext():
+        trainer.run()
+    workload = trainer.ctx.workload
+    step, teardown = STEP_BUILDERS[framework](build_model(workload, recipe), workload, recipe)
+    with profiles["minimal"] if dist.get_rank() == 0 else contextlib.nullcontext():
+        timed_steps(step, trainer.train_set, recipe, steps)
+    if dist.get_rank() == 0:
+        for side, profile in profiles.items():
+            profile.dump_stats(f"{out}.{side}.prof")
+        for caller in ("run", "counted_step", "log_losses", "stop_agreed"):
+            report(f"kit loop, {framework}, Trainer.{caller}", direct_callees(profiles["kit"], "repro/loop.py", caller), steps)
+        report(f"minimal loop, {framework}, timed_steps", direct_callees(profiles["minimal"], "minimal.py", "timed_steps"), steps)
+    dist.barrier()
+    teardown()
+    trainer.close(clean=True)
+    loop.leave(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
