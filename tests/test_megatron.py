@@ -309,3 +309,12 @@ def test_parameter_share_per_rank_falls_as_tp_grows(cli_runs, same_weights):
     print(f"parameter bytes per rank by tp: {share} (plain GPT-2: {plain_bytes})")
     assert share[1] == plain_bytes
     assert share[1] > share[2] > share[4] > plain_bytes / 4  # layer norms and biases stay replicated
+
+
+def test_doctor_lists_the_gpu_path_until_a_result_is_committed(tmp_path, monkeypatch):
+    from repro import doctor
+
+    monkeypatch.setattr(doctor, "MEASURED", tmp_path)
+    assert doctor.gpu_paths()["megatron"].startswith("not yet run on a GPU: python bench/gpu_check.py --only gpt2:megatron")
+    (tmp_path / "gpu_check-megatron-H100-2026-12-03.json").write_text("{}")
+    assert doctor.gpu_paths()["megatron"] == "measured: gpu_check-megatron-H100-2026-12-03.json"
