@@ -109,7 +109,8 @@ def gpt_config(spec: GPT2Spec, tp: int, bf16: bool) -> Any:
     """megatron-core's TransformerConfig for the workload's GPT-2. CPU initialisation (public) builds
     the weights on any device, moved afterwards. They "initialise" with zeros_ because they are the
     plain model's, copied in; only that library path (tensor_parallel/layers.py,
-    _initialize_affine_weight_cpu) tags the shards as tensor-parallel, which copy_weights reads."""
+    _initialize_affine_weight_cpu) tags the shards as tensor-parallel, which megatron-core's gradient
+    clipping and this adapter's (param_is_not_tensor_parallel_duplicate) read."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -182,8 +183,9 @@ def copy_weights(model: nn.Module, weights: dict[str, torch.Tensor], tp_rank: in
         if source not in weights:
             raise RuntimeError(f"GPTModel's parameter {name} has no counterpart in the workload's GPT-2")
         value = weights[source]
-        if param.shape != value.shape:  # a shard, tagged by megatron-core with the dimension it splits
-            value = value.chunk(tp, dim=param.partition_dim)[tp_rank]
+        if param.shape != value.shape:  # this rank's shard: 1/tp of the one dimension that differs
+            split = next(d for d, (ours, whole) in enumerate(zip(param.shape, value.shape)) if ours * tp == whole)
+            value = value.chunk(tp, dim=split)[tp_rank]
         with torch.no_grad():
             param.copy_(value)
 
@@ -267,8 +269,8 @@ class MegatronAdapter(Adapter):
         gpt = build_gpt_model(spec, tp, self.layer_spec, self.megatron_bf16)
         copy_weights(gpt, megatron_weights(model, spec, tp), tp_rank, tp)
         self.gpt = gpt.to(ctx.device)
-        rows = torch.arange(padded_vocab(spec.vocab_size, tp)).chunk(tp)[tp_rank]
-        self.padding = (rows >= spec.vocab_size).to(ctx.device)  # padding rows are not words
+        padding = torch.arange(padded_vocab(spec.vocab_size, tp)).chunk(tp)[tp_rank] >= spec.vocab_size
+        self.padding, self.padded = padding.to(ctx.device), bool(padding.any())  # padding rows are not words
         self.positions = torch.arange(spec.seq_len, device=ctx.device)
         self.mask = None if self.on_gpu else megatron_cpu.causal_mask(spec.seq_len)
         if self.on_gpu:
@@ -314,7 +316,7 @@ class MegatronAdapter(Adapter):
         positions = self.positions[: inputs.shape[1]].expand_as(inputs)
         mask = None if self.mask is None else self.mask[..., : inputs.shape[1], : inputs.shape[1]]
         logits = self.model(inputs, positions, mask)
-        return logits.masked_fill(self.padding, float("-inf")) if bool(self.padding.any()) else logits
+        return logits.masked_fill(self.padding, float("-inf")) if self.padded else logits
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -323,7 +325,8 @@ class MegatronAdapter(Adapter):
         if self.on_gpu:
             self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        autocast = self.autocast() if not self.on_gpu else contextlib.nullcontext()
+        # megatron-core's bf16 is Float16Module's bf16 weights (fp32 main copies in the optimizer), not autocast
+        autocast = contextlib.nullcontext() if self.megatron_bf16 else self.autocast()
         with self.shared_rng.fork(), autocast:
             loss = vocab_parallel_cross_entropy(self.logits(inputs).float(), targets).mean()
         loss.backward()
