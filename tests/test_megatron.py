@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import os
@@ -318,3 +319,20 @@ def test_doctor_lists_the_gpu_path_until_a_result_is_committed(tmp_path, monkeyp
     assert doctor.gpu_paths()["megatron"].startswith("not yet run on a GPU: python bench/gpu_check.py --only gpt2:megatron")
     (tmp_path / "gpu_check-megatron-H100-2026-12-03.json").write_text("{}")
     assert doctor.gpu_paths()["megatron"] == "measured: gpu_check-megatron-H100-2026-12-03.json"
+
+
+def test_gpu_check_judges_megatron_against_the_plain_loss_with_parity_bands():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    from repro.parity import TOLERANCE
+
+    plain = {"losses": [5.0, 4.0, 3.0]}
+    cell = {"losses": [5.0, 4.02, 3.01], "device_type": "cuda", "precision": "bf16"}
+    assert gpu_check.loss_against(cell, plain, TOLERANCE) == {
+        "max_loss_diff_vs_plain": pytest.approx(0.02), "tolerance": 5e-2, "verdict": "pass"}
+    assert gpu_check.loss_against({**cell, "precision": "fp32"}, plain, TOLERANCE)["verdict"] == "FAIL"
+    assert gpu_check.loss_against({**cell, "device_type": "cpu"}, plain, TOLERANCE)["verdict"] == "measured (no band)"
+    assert gpu_check.loss_against({**cell, "error": "out of memory"}, plain, TOLERANCE) == {}
+    assert [name for name, gpus, _ in gpu_check.MEGATRON_VARIANTS if gpus == 2] == [
+        "megatron-tp2", "megatron-dp2-distributed-optimizer"]
