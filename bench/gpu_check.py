@@ -124,7 +124,8 @@ def megatron_cells(scale: str, steps: int, scratch: Path) -> list[dict[str, Any]
     return cells
 
 
-def loss_against(cell: dict[str, Any], plain: dict[str, Any], tolerance: dict[tuple[str, str], float]) -> dict[str, Any]:
+def loss_against(cell: dict[str, Any], plain: dict[str, Any],
+                 tolerance: dict[tuple[str, str], float]) -> dict[str, Any]:
     """The largest per-step loss difference from the plain run, judged with repro parity's GPU bands."""
     if "error" in cell or "error" in plain or not cell["losses"]:
         return {}

@@ -316,7 +316,8 @@ def test_doctor_lists_the_gpu_path_until_a_result_is_committed(tmp_path, monkeyp
     from repro import doctor
 
     monkeypatch.setattr(doctor, "MEASURED", tmp_path)
-    assert doctor.gpu_paths()["megatron"].startswith("not yet run on a GPU: python bench/gpu_check.py --only gpt2:megatron")
+    command = "python bench/gpu_check.py --only gpt2:megatron"
+    assert doctor.gpu_paths()["megatron"].startswith(f"not yet run on a GPU: {command}")
     (tmp_path / "gpu_check-megatron-H100-2026-12-03.json").write_text("{}")
     assert doctor.gpu_paths()["megatron"] == "measured: gpu_check-megatron-H100-2026-12-03.json"
 

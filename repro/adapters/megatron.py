@@ -237,7 +237,6 @@ class MegatronAdapter(Adapter):
 
     def setup(self, model: nn.Sequential) -> None:
         from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import random as mcore_random
 
         ctx, tp = self.ctx, self.options.tp
         self.on_gpu = ctx.device.type == "cuda"
@@ -253,16 +252,7 @@ class MegatronAdapter(Adapter):
             from repro.adapters import megatron_cpu
 
             megatron_cpu.install()
-        else:
-            mcore_random.initialize_rng_tracker(force_reset=True)
-        # tp peers share their dp rank's stream (as DDP rank dp_rank would): dropout on replicated
-        # activations (embedding, residual branches) draws the same mask on every peer. Attention
-        # dropout of this rank's heads draws from megatron-core's tracker, a stream per rank.
-        ctx.seeds["shared_dropout"] = seeding.derive(ctx.recipe.seed, "rank_stream", self.dp_rank)
-        ctx.seeds["tp_local_dropout"] = seeding.derive(ctx.recipe.seed, "tp_local_dropout", ctx.rank)
-        self.shared_rng = RngStream(ctx.seeds["shared_dropout"], ctx.device)
-        self.tracker = mcore_random.get_cuda_rng_tracker()
-        self.tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, ctx.seeds["tp_local_dropout"])
+        self.dropout_streams()
 
         spec, self.layer_spec = ctx.workload.spec, layer_spec_name(self.on_gpu)
         self.megatron_bf16 = self.on_gpu and ctx.recipe.train.precision == "bf16"
@@ -277,6 +267,22 @@ class MegatronAdapter(Adapter):
             self.model, self.optimizer = self.megatron_training(self.gpt)
         else:
             self.model, self.optimizer = self.gpt, make_optimizer(ctx.recipe.optimizer(), self.gpt.parameters())
+
+    def dropout_streams(self) -> None:
+        """tp peers share their dp rank's stream (as DDP rank dp_rank would): dropout on replicated
+        activations (embedding, residual branches) draws the same mask on every peer. Attention
+        dropout of this rank's heads draws from megatron-core's tracker, a stream per rank (on the
+        CPU, megatron_cpu's tracker, installed before)."""
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        ctx = self.ctx
+        if self.on_gpu:
+            mcore_random.initialize_rng_tracker(force_reset=True)
+        ctx.seeds["shared_dropout"] = seeding.derive(ctx.recipe.seed, "rank_stream", self.dp_rank)
+        ctx.seeds["tp_local_dropout"] = seeding.derive(ctx.recipe.seed, "tp_local_dropout", ctx.rank)
+        self.shared_rng = RngStream(ctx.seeds["shared_dropout"], ctx.device)
+        self.tracker = mcore_random.get_cuda_rng_tracker()
+        self.tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, ctx.seeds["tp_local_dropout"])
 
     def megatron_training(self, gpt: nn.Module) -> tuple[nn.Module, Any]:
         """megatron-core's DistributedDataParallel and optimizer around GPTModel, as its example wires them."""
@@ -404,7 +410,8 @@ class MegatronAdapter(Adapter):
     def state_dict(self) -> dict[str, Any]:
         """This rank's tp shard and its optimizer state, and the dropout streams that the loop's saved
         default generators do not cover: the shared one (RngStream) and megatron-core's tracker."""
-        return {**super().state_dict(), "shared_rng": self.shared_rng.state, "tracker": self.tracker.get_states()}
+        streams = {"shared_rng": self.shared_rng.state, "tracker": self.tracker.get_states()}
+        return {**super().state_dict(), **streams}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

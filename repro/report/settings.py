@@ -22,7 +22,8 @@ IMPLEMENTATION = ("model_impl", "layer_spec", "dp_impl", "optimizer_impl")
 
 def from_params(params: dict[str, str], recipe: Recipe | None) -> dict[str, str]:
     """The run's settings: MLflow's `effective.*` params, the recipe's where a run lacks them."""
-    settings = {key: params[EFFECTIVE_PREFIX + key] for key in KEYS + IMPLEMENTATION if EFFECTIVE_PREFIX + key in params}
+    recorded = KEYS + IMPLEMENTATION
+    settings = {key: params[EFFECTIVE_PREFIX + key] for key in recorded if EFFECTIVE_PREFIX + key in params}
     if recipe is not None:
         settings = {**from_recipe(recipe), **settings}
     if "train.precision" in params:
