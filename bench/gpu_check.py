@@ -3,7 +3,13 @@ measured steps; one JSON report with throughput, MFU, peak memory (allocator and
 any error. Synthetic samples of the paper's shapes stand in for ImageNet and WikiText-103 (a GPU
 machine may have neither), which changes nothing in a step's arithmetic cost.
 
+Megatron's entry trains megatron-core's GPTModel with its DistributedDataParallel and optimizer
+(the adapter's GPU path) and compares its per-step loss with the plain GPT-2 in the same precision
+(DDP on one GPU, Megatron's optimizer, the same global batch): on one GPU at tp=1, and where two
+GPUs exist at tp=2 and at dp=2 with the distributed optimizer (half the batch per GPU each).
+
     python bench/gpu_check.py                      # on a GPU machine: reports/gpu_check.json
+    python bench/gpu_check.py --only gpt2:megatron # Megatron's entry alone
     python bench/gpu_check.py --scale smoke --only gpt2:ddp --steps 4   # the CPU dry run of the plumbing
 """
 from __future__ import annotations
@@ -25,6 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 CELLS = [(w, f) for w in ("gpt2", "vgg16") for f in ("ddp", "zero", "megatron", "fsdp", "torchgpipe", "pipedream")
          if (w, f) != ("vgg16", "megatron")]
 WARMUP = 5
+# Megatron's variants: (name, GPUs, overrides); two-GPU ones halve the batch per GPU to keep the global batch.
+MEGATRON_VARIANTS = [
+    ("megatron-tp1", 1, ()),
+    ("megatron-tp2", 2, ("megatron.tp=2",)),
+    ("megatron-dp2-distributed-optimizer", 2, ("megatron.tp=1", "megatron.distributed_optimizer=true")),
+]
 
 
 def build_fused_ops() -> dict[str, Any]:
@@ -46,22 +58,24 @@ def build_fused_ops() -> dict[str, Any]:
         return {"status": "failed", "error": f"{type(error).__name__}: {error}"}
 
 
-def measure(workload: str, framework: str, scale: str, steps: int, scratch: Path) -> dict[str, Any]:
+def measure(workload: str, framework: str, scale: str, steps: int, scratch: Path, gpus: int = 1,
+            extra: tuple[str, ...] = ()) -> dict[str, Any]:
     from repro.hardware import mfu
     from repro.recipe import load_file, recipe_path
     from repro.registry import adapter_class, workload_class
 
-    overrides = ["data.dataset=synthetic", "data.max_val_samples=8", "train.log_every=1"]
-    recipe = load_file(recipe_path(workload, scale), [f"run.framework={framework}", *overrides])
+    overrides = ["data.dataset=synthetic", "data.max_val_samples=8", "train.log_every=1", *extra]
+    recipe = load_file(recipe_path(workload, scale), [f"run.framework={framework}", f"run.gpus={gpus}", *overrides])
     samples = adapter_class(framework).global_batch(recipe) * (steps + 1)
-    command = [sys.executable, "-m", "repro.cli", "run", workload, "--framework", framework, "--gpus", "1",
+    command = [sys.executable, "-m", "repro.cli", "run", workload, "--framework", framework, "--gpus", str(gpus),
                "--scale", scale, "--epochs", "1", "--max-steps", str(steps), "--experiment", "gpu-check",
                "--tracking-uri", f"sqlite:///{scratch}/mlflow.db", "--set", f"data.max_train_samples={samples}"]
     for text in overrides:
         command += ["--set", text]
     started = time.perf_counter()
     out = subprocess.run(command, cwd=scratch, capture_output=True, text=True)
-    result: dict[str, Any] = {"workload": workload, "framework": framework, "wall_s": time.perf_counter() - started}
+    result: dict[str, Any] = {"workload": workload, "framework": framework, "gpus": gpus, "overrides": list(extra),
+                              "wall_s": time.perf_counter() - started}
     if out.returncode:
         return {**result, "error": (out.stdout + out.stderr)[-3000:]}
     run_dir = Path(out.stderr.rsplit("files in ", 1)[1].split()[0])
@@ -74,21 +88,61 @@ def measure(workload: str, framework: str, scale: str, steps: int, scratch: Path
     spec = workload_class(workload)(recipe.model, recipe.data, None)
     device = start["device_name"]
     return {
-        **result, "device": device, "precision": recipe.train.precision, "step_s": step_s,
+        **result, "device": device, "device_type": start["device"].split(":")[0], "precision": recipe.train.precision,
+        "step_s": step_s,
         "samples_per_s": per_s, "tokens_per_s": per_s * recipe.model.seq_len if workload == "gpt2" else None,
         "mfu": mfu(device, recipe.train.precision, spec.flops_per_sample() * per_s),
         "peak_allocated_bytes": max(r["peak_bytes"] for r in epoch["ranks"]),
         "device_used_bytes": max((r.get("device_used_bytes") or 0) for r in epoch["ranks"]) or None,
-        "memory_method": epoch["ranks"][0]["method"],
+        "memory_method": epoch["ranks"][0]["method"], "implementation": start.get("effective", {}),
+        "losses": [e["loss"] for e in events if e["event"] == "step"],
     }
+
+
+def megatron_cells(scale: str, steps: int, scratch: Path) -> list[dict[str, Any]]:
+    """Megatron's variants that fit this machine's GPUs, each with its loss against the plain GPT-2."""
+    import torch
+
+    from repro.parity import TOLERANCE
+    from repro.recipe import load_file, recipe_path
+
+    recipe = load_file(recipe_path("gpt2", scale), ["run.framework=megatron"])
+    optimizer = recipe.optimizer()
+    same_optimizer = "train.optimizer=" + json.dumps(
+        {"name": optimizer.name, "lr": optimizer.lr, "weight_decay": optimizer.weight_decay})
+    plain = measure("gpt2", "ddp", scale, steps, scratch, extra=(same_optimizer,))
+    cells = [{**plain, "framework": "ddp (plain GPT-2, Megatron's reference)"}]
+    half = f"train.batch_per_gpu={recipe.train.batch_per_gpu // 2}"
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 2  # CPU dry run: processes stand in
+    for name, gpus, extra in MEGATRON_VARIANTS:
+        if gpus > found:
+            cells.append({"workload": "gpt2", "framework": name, "gpus": gpus, "wall_s": 0.0,
+                          "error": f"needs {gpus} GPUs, found {found}"})
+            continue
+        cell = measure("gpt2", "megatron", scale, steps, scratch, gpus, (*extra, *((half,) if gpus == 2 else ())))
+        cells.append({**cell, "framework": name, **loss_against(cell, plain, TOLERANCE)})
+    return cells
+
+
+def loss_against(cell: dict[str, Any], plain: dict[str, Any],
+                 tolerance: dict[tuple[str, str], float]) -> dict[str, Any]:
+    """The largest per-step loss difference from the plain run, judged with repro parity's GPU bands."""
+    if "error" in cell or "error" in plain or not cell["losses"]:
+        return {}
+    gap = max(abs(a - b) for a, b in zip(cell["losses"], plain["losses"]))
+    limit = tolerance.get((cell["device_type"], cell["precision"]))
+    verdict = "measured (no band)" if limit is None else "pass" if gap <= limit else "FAIL"
+    return {"max_loss_diff_vs_plain": gap, "tolerance": limit, "verdict": verdict}
 
 
 def summary(cell: dict[str, Any]) -> str:
     if "error" in cell:
         return "error: " + cell["error"].strip().splitlines()[-1]
     utilisation = "n/a (device not in the peak table)" if cell["mfu"] is None else f"{cell['mfu']:.1%}"
+    loss = (f", loss vs plain {cell['max_loss_diff_vs_plain']:.2e} ({cell['verdict']})"
+            if "verdict" in cell else "")
     return (f"{cell['samples_per_s']:.1f} samples/s, MFU {utilisation}, "
-            f"peak {cell['peak_allocated_bytes'] / 2**30:.2f} GiB")
+            f"peak {cell['peak_allocated_bytes'] / 2**30:.2f} GiB{loss}")
 
 
 def main() -> None:
@@ -103,11 +157,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for workload, framework in cells:
             try:
-                cell = measure(workload, framework, args.scale, args.steps, Path(tmp))
+                if (workload, framework) == ("gpt2", "megatron"):
+                    cells = megatron_cells(args.scale, args.steps, Path(tmp))
+                else:
+                    cells = [measure(workload, framework, args.scale, args.steps, Path(tmp))]
             except (RecipeError, Unavailable) as error:  # not applicable or not installed: say so, go on
-                cell = {"workload": workload, "framework": framework, "wall_s": 0.0, "error": str(error)}
-            report["cells"].append(cell)
-            print(f"{workload:<6} {framework:<11} {cell['wall_s']:6.1f}s  {summary(cell)}", flush=True)
+                cells = [{"workload": workload, "framework": framework, "wall_s": 0.0, "error": str(error)}]
+            for cell in cells:
+                report["cells"].append(cell)
+                print(f"{workload:<6} {cell['framework']:<11} {cell['wall_s']:6.1f}s  {summary(cell)}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"report: {args.out}")

@@ -10,6 +10,12 @@ from typing import Any
 
 from repro import registry
 
+MEASURED = Path(__file__).resolve().parent.parent / "docs" / "measured"  # GPU results, committed with device and date
+# Code paths that run only on GPUs, and the command that checks each one on a GPU machine.
+GPU_PATHS = {
+    "megatron": "python bench/gpu_check.py --only gpt2:megatron (or make gpu-check): GPTModel with "
+                "megatron-core's DDP and optimizer, 1 GPU; tp=2 and dp=2 with the distributed optimizer on 2",
+}
 DISTRIBUTIONS = ["torch", "torchvision", "deepspeed", "megatron-core", "torchgpipe", "mlflow", "datasets", "timm"]
 
 
@@ -63,6 +69,15 @@ def data_status() -> dict[str, str]:
     return status
 
 
+def gpu_paths() -> dict[str, str]:
+    """Each GPU-only path: the docs/measured/ files that hold its result, else 'not yet run' and the command."""
+    status = {}
+    for name, command in GPU_PATHS.items():
+        results = sorted(p.name for p in MEASURED.glob(f"gpu_check*{name}*.json"))
+        status[name] = f"measured: {', '.join(results)}" if results else f"not yet run on a GPU: {command}"
+    return status
+
+
 def availability(entry: registry.FrameworkEntry) -> str:
     missing = entry.missing()
     return f"unavailable: missing {', '.join(missing)}" if missing else "available"
@@ -79,6 +94,7 @@ def report() -> dict[str, Any]:
         "versions": {d: version(d) for d in DISTRIBUTIONS},
         "frameworks": {name: availability(entry) for name, entry in registry.FRAMEWORKS.items()},
         "devices": devices(),
+        "gpu_paths": gpu_paths(),
         "data": data_status(),
     }
 

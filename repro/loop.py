@@ -285,7 +285,7 @@ class Trainer:
                 device_name=device_name(self.device),
                 global_batch=self.global_batch, steps_per_epoch=steps_per_epoch, epochs=recipe.train.epochs,
                 max_steps=recipe.train.max_steps, train_samples=len(self.train_set), val_samples=len(self.val_set),
-                adapter=self.adapter.facts(),
+                adapter=self.adapter.facts(), effective=self.adapter.pieces(),
             )
         for epoch in range(at.epoch, recipe.train.epochs):
             if self.done(at):

@@ -179,6 +179,8 @@ class Run:
 
         facts = [Param(f"adapter.{k}", json.dumps(v)[:6000]) for e in new_events if e["event"] == events.START
                  for k, v in e.get("adapter", {}).items()]
+        facts += [Param(f"effective.{k}", str(v)) for e in new_events if e["event"] == events.START
+                  for k, v in e.get("effective", {}).items()]  # what the ranks built (Adapter.pieces)
         if facts:  # the adapter's setup decisions (a computed pipeline balance, say)
             self.client.log_batch(self.run_id, params=facts)
 

@@ -149,6 +149,11 @@ class Adapter:
         """Decisions the adapter made at setup (a computed partition, say), recorded in the start event."""
         return {}
 
+    def pieces(self) -> dict[str, str]:
+        """The implementation of each piece this rank trains with (model, data-parallel wrapper,
+        optimizer...), where it depends on the device; MLflow's `effective.*` beside Adapter.effective."""
+        return {}
+
     def data_shard(self) -> tuple[int, int]:
         """(index, count): this rank consumes shard `index` of `count` equal shards of each global batch."""
         return self.ctx.rank, self.ctx.world

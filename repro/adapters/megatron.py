@@ -1,23 +1,32 @@
 """Megatron (megatron-core): intra-layer (tensor) parallelism, data parallelism over the other ranks.
 
-World = tp x dp. megatron-core's parallel_state makes the groups; each tp group splits every layer
-of GPT-2 the Megatron way: the embedding and output projection by vocabulary rows
-(VocabParallelEmbedding, vocab-parallel cross entropy), attention by heads and the MLP by its
-hidden units (ColumnParallelLinear then RowParallelLinear, one all-reduce each in forward and
-backward). tp=1 is the paper's Megatron-data, tp=world its Megatron-intra, anything between the
-hybrid it recommends (tensor parallel within a node, data parallel across nodes).
+World = tp x dp. megatron-core's parallel_state makes the groups, and the network is megatron-core's
+own `GPTModel`: its embedding and output projection split by vocabulary rows, attention by heads
+and the MLP by its hidden units (ColumnParallelLinear then RowParallelLinear, one all-reduce each
+in forward and backward). tp=1 is the paper's Megatron-data, tp=world its Megatron-intra, anything
+between the hybrid it recommends (tensor parallel within a node, data parallel across nodes).
 
-The network is the workload's plain GPT-2, built by the loop under the model seed: its weights are
-copied, shard by shard, into megatron-core's layers, so every framework trains the same network.
-Megatron's full GPTModel calls CUDA inside attention, so the blocks are assembled here from the
-tensor-parallel layers. megatron-core's DistributedDataParallel and optimizer wrappers allocate
-on CUDA unconditionally, so this adapter averages gradients over the dp group itself (one
-flattened all-reduce per step) and steps the kit's optimizer (torch AdamW or SGD, which is what
-megatron-core falls back to without Apex or Transformer Engine).
+Every framework trains the same network: GPTModel is configured as the workload's GPT-2 (learned
+positions, pre-layer-norm blocks, tanh GELU, tied embeddings) and takes its weights, built by the
+loop under the model seed, shard by shard (`megatron_weights`).
+
+Two paths, recorded on the run (`pieces`, MLflow's `effective.*`):
+- GPUs, as Megatron trains (after megatron-core's own examples/run_simple_mcore_train_loop.py in
+  NVIDIA/Megatron-LM: GPTModel, then DistributedDataParallel, backward, finalize_model_grads, step):
+  Transformer Engine's layer spec where it is installed (the local spec otherwise), megatron-core's
+  DistributedDataParallel (contiguous gradient buffers, gradient all-reduce overlapped with the
+  backward pass) and `get_megatron_optimizer`, optionally the distributed optimizer; bf16 through
+  megatron-core's Float16Module and its fp32 main parameters.
+- CPU: the local layer spec with the adaptations of repro/adapters/megatron_cpu.py (megatron-core
+  hard-codes CUDA there). megatron-core's DistributedDataParallel and optimizer allocate on CUDA
+  unconditionally (distributed/param_and_grad_buffer.py, optimizer/optimizer.py), so this adapter
+  averages gradients over the dp group itself (one flattened all-reduce per step) and steps torch's
+  optimizer, which is what megatron-core falls back to without Apex or Transformer Engine.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,17 +40,22 @@ from torch.nn import functional as F
 from repro import seeding
 from repro.adapters.base import Adapter
 from repro.checkpoint import atomic_torch_save
+from repro.metrics import tensor_bytes
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
 from repro.workloads.gpt2 import GPT2Spec
 
 MEGATRON_OPTIMIZERS = ("adam", "adamw", "sgd")  # what megatron-core's get_megatron_optimizer offers
+LAYER_NORM_EPS = 1e-5  # torch's nn.LayerNorm default, which the plain GPT-2 uses
 
 
 @dataclass
 class MegatronOptions(FrameworkOptions):
     tp: int = 1  # tensor-parallel size: ranks that split each layer; dp = gpus / tp
+    # GPUs only: shard the optimizer state over the dp group (megatron-core's distributed optimizer).
+    # Off by default, as in the paper's Megatron-LM 2.3, which had none (it came with Megatron-LM 3.0).
+    distributed_optimizer: bool = False
 
 
 class RngStream:
@@ -72,8 +86,7 @@ class RngStream:
             self.state = self._capture()
 
 
-# -- GPT-2 from megatron-core's tensor-parallel layers ------------------------------------------
-# Each module mirrors its plain counterpart in repro/workloads/gpt2.py and takes its weights.
+# -- GPT-2 as megatron-core's GPTModel -----------------------------------------------------------
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -81,140 +94,100 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def copy_shard(target: nn.Parameter, full: torch.Tensor, dim: int, rank: int, tp: int) -> None:
-    with torch.no_grad():
-        target.copy_(full.chunk(tp, dim=dim)[rank])
+def transformer_engine_installed() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return HAVE_TE
 
 
-class ParallelContext:
-    """What every parallel module needs: megatron-core's layer config, tp rank and size."""
+def layer_spec_name(on_gpu: bool) -> str:
+    """Transformer Engine's fused layers on GPUs where installed; megatron-core's local spec otherwise."""
+    return "transformer-engine" if on_gpu and transformer_engine_installed() else "local"
 
-    def __init__(self, tp: int, rank: int):
-        from megatron.core import ModelParallelConfig
 
-        self.tp, self.rank = tp, rank
-        # CPU initialisation works on any device (the model moves afterwards). The layers "initialise"
-        # with zeros_ because their weights are the plain model's, copied in; that library path also
-        # tags the shards as tensor-parallel, which megatron-core's helpers read.
-        self.config = ModelParallelConfig(
-            tensor_model_parallel_size=tp, use_cpu_initialization=True, deterministic_mode=True
-        )
+def gpt_config(spec: GPT2Spec, tp: int, bf16: bool) -> Any:
+    """megatron-core's TransformerConfig for the workload's GPT-2. CPU initialisation (public) builds
+    the weights on any device, moved afterwards. They "initialise" with zeros_ because they are the
+    plain model's, copied in; only that library path (tensor_parallel/layers.py,
+    _initialize_affine_weight_cpu) tags the shards as tensor-parallel, which megatron-core's gradient
+    clipping and this adapter's (param_is_not_tensor_parallel_duplicate) read."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    def column(self, plain: nn.Linear, rows: torch.Tensor | None = None) -> nn.Module:
-        """ColumnParallelLinear holding `rows` (default: this rank's block) of `plain`'s outputs."""
-        from megatron.core.tensor_parallel import ColumnParallelLinear
+    return TransformerConfig(
+        num_layers=spec.n_layer, hidden_size=spec.d_model, num_attention_heads=spec.n_head,
+        ffn_hidden_size=4 * spec.d_model, tensor_model_parallel_size=tp,
+        hidden_dropout=spec.dropout, attention_dropout=spec.dropout, layernorm_epsilon=LAYER_NORM_EPS,
+        activation_func=functools.partial(F.gelu, approximate="tanh"), bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=True, perform_initialization=True, init_method=nn.init.zeros_,
+        output_layer_init_method=nn.init.zeros_, deterministic_mode=True,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
 
-        layer = ColumnParallelLinear(
-            plain.in_features, plain.out_features, config=self.config, init_method=nn.init.zeros_,
-            bias=True, gather_output=False,
-        )
-        rows = rows if rows is not None else torch.arange(plain.out_features).chunk(self.tp)[self.rank]
+
+def build_gpt_model(spec: GPT2Spec, tp: int, layer_spec: str, bf16: bool) -> nn.Module:
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    layers = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if layer_spec == "transformer-engine"
+              else gpt_layer_specs.get_gpt_layer_local_spec())
+    return GPTModel(
+        config=gpt_config(spec, tp, bf16), transformer_layer_spec=layers,
+        vocab_size=padded_vocab(spec.vocab_size, tp), max_sequence_length=spec.seq_len,
+        position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True,
+        parallel_output=True,
+    )
+
+
+def qkv_by_head(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The plain model's fused [q; k; v] rows regrouped head by head ([q_h; k_h; v_h] for each head h),
+    as megatron-core's SelfAttention splits linear_qkv (attention.py, get_query_key_value_tensors)."""
+    return weight.reshape(3, n_head, -1, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+
+
+def megatron_weights(plain: nn.Sequential, spec: GPT2Spec, tp: int) -> dict[str, torch.Tensor]:
+    """The plain GPT-2's weights, whole, under the names of GPTModel's local spec."""
+    wte = torch.zeros(padded_vocab(spec.vocab_size, tp), spec.d_model)
+    wte[: spec.vocab_size] = plain[0].wte.weight.detach()  # padding rows: masked out of the logits
+    weights = {"embedding.word_embeddings.weight": wte, "embedding.position_embeddings.weight": plain[0].wpe.weight}
+    pieces = {"input_layernorm": "ln_1", "self_attention.linear_qkv": "attn.c_attn",
+              "self_attention.linear_proj": "attn.c_proj", "pre_mlp_layernorm": "ln_2",
+              "mlp.linear_fc1": "mlp.c_fc", "mlp.linear_fc2": "mlp.c_proj"}
+    for index, block in enumerate(plain[1:-1]):
+        for ours, theirs in pieces.items():
+            for kind in ("weight", "bias"):
+                value = block.get_parameter(f"{theirs}.{kind}")
+                if ours.endswith("linear_qkv"):
+                    value = qkv_by_head(value, spec.n_head)
+                weights[f"decoder.layers.{index}.{ours}.{kind}"] = value
+    for kind in ("weight", "bias"):
+        weights[f"decoder.final_layernorm.{kind}"] = plain[-1].ln_f.get_parameter(kind)
+    return {name: value.detach() for name, value in weights.items()}
+
+
+# Transformer Engine's spec fuses each layer norm into the linear layer after it.
+TRANSFORMER_ENGINE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+def copy_weights(model: nn.Module, weights: dict[str, torch.Tensor], tp_rank: int, tp: int) -> None:
+    """Each of `model`'s parameters takes its (shard of its) plain weight; every one must have one."""
+    for name, param in model.named_parameters():
+        source = next((name.replace(te, local) for te, local in TRANSFORMER_ENGINE_NAMES.items() if name.endswith(te)),
+                      name)
+        if source not in weights:
+            raise RuntimeError(f"GPTModel's parameter {name} has no counterpart in the workload's GPT-2")
+        value = weights[source]
+        if param.shape != value.shape:  # this rank's shard: 1/tp of the one dimension that differs
+            split = next(d for d, (ours, whole) in enumerate(zip(param.shape, value.shape)) if ours * tp == whole)
+            value = value.chunk(tp, dim=split)[tp_rank]
         with torch.no_grad():
-            layer.weight.copy_(plain.weight[rows])
-            layer.bias.copy_(plain.bias[rows])
-        return layer
-
-    def row(self, plain: nn.Linear) -> nn.Module:
-        """RowParallelLinear holding this rank's block of `plain`'s inputs (bias added after the all-reduce)."""
-        from megatron.core.tensor_parallel import RowParallelLinear
-
-        layer = RowParallelLinear(
-            plain.in_features, plain.out_features, config=self.config, init_method=nn.init.zeros_,
-            bias=True, input_is_parallel=True, skip_bias_add=False,
-        )
-        copy_shard(layer.weight, plain.weight, 1, self.rank, self.tp)
-        with torch.no_grad():
-            layer.bias.copy_(plain.bias)
-        return layer
-
-
-class ParallelEmbedding(nn.Module):
-    def __init__(self, plain: nn.Module, spec: GPT2Spec, par: ParallelContext):
-        from megatron.core.tensor_parallel import VocabParallelEmbedding
-
-        super().__init__()
-        rows = padded_vocab(spec.vocab_size, par.tp)
-        self.wte = VocabParallelEmbedding(rows, spec.d_model, init_method=nn.init.zeros_, config=par.config)
-        padded = torch.zeros(rows, spec.d_model)
-        padded[: spec.vocab_size] = plain.wte.weight.detach()
-        copy_shard(self.wte.weight, padded, 0, par.rank, par.tp)
-        self.wpe, self.drop = plain.wpe, plain.drop  # replicated on every tp peer
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.wte(tokens) + self.wpe(positions))
-
-
-class ParallelAttention(nn.Module):
-    """This rank's heads: q, k and v rows of those heads (column-parallel), output rows (row-parallel)."""
-
-    def __init__(self, plain: nn.Module, spec: GPT2Spec, par: ParallelContext, local: RngStream):
-        super().__init__()
-        width = spec.d_model
-        self.n_head, self.width = spec.n_head // par.tp, width // par.tp
-        mine = torch.arange(width).chunk(par.tp)[par.rank]
-        self.c_attn = par.column(plain.c_attn, torch.cat([mine, mine + width, mine + 2 * width]))
-        self.c_proj = par.row(plain.c_proj)
-        self.dropout, self.resid_drop, self.local = plain.dropout, plain.resid_drop, local
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = self.c_attn(x)[0].split(self.width, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, self.width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        with self.local.fork():
-            dropout = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(batch, seq, self.width))[0])
-
-
-class ParallelMLP(nn.Module):
-    def __init__(self, plain: nn.Module, par: ParallelContext):
-        super().__init__()
-        self.c_fc, self.c_proj, self.drop = par.column(plain.c_fc), par.row(plain.c_proj), plain.drop
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.c_proj(F.gelu(self.c_fc(x)[0], approximate="tanh"))[0])
-
-
-class ParallelBlock(nn.Module):
-    def __init__(self, plain: nn.Module, spec: GPT2Spec, par: ParallelContext, local: RngStream):
-        super().__init__()
-        self.ln_1, self.ln_2 = plain.ln_1, plain.ln_2
-        self.attn, self.mlp = ParallelAttention(plain.attn, spec, par, local), ParallelMLP(plain.mlp, par)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class ParallelHead(nn.Module):
-    """Final layer norm and the output projection onto this rank's vocabulary rows (the embedding's)."""
-
-    def __init__(self, plain: nn.Module, embedding: ParallelEmbedding, spec: GPT2Spec, par: ParallelContext):
-        from megatron.core.tensor_parallel import ColumnParallelLinear
-
-        super().__init__()
-        self.ln_f, self.weight = plain.ln_f, embedding.wte.weight
-        rows = padded_vocab(spec.vocab_size, par.tp)
-        self.project = ColumnParallelLinear(
-            spec.d_model, rows, config=par.config, init_method=nn.init.zeros_, bias=False,
-            gather_output=False, skip_weight_param_allocation=True,
-        )
-        # Padding rows are not words: -inf logits give them no probability and no gradient.
-        local_rows = torch.arange(rows).chunk(par.tp)[par.rank]
-        self.register_buffer("padding", local_rows >= spec.vocab_size, persistent=False)
-        self.padded = bool(self.padding.any())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.project(self.ln_f(x), weight=self.weight)[0]
-        return logits.masked_fill(self.padding, float("-inf")) if self.padded else logits
-
-
-def parallel_gpt2(plain: nn.Sequential, spec: GPT2Spec, par: ParallelContext, local: RngStream) -> nn.Sequential:
-    """The workload's GPT-2 with its weights sharded into megatron-core layers; outputs vocab-parallel logits."""
-    embedding = ParallelEmbedding(plain[0], spec, par)
-    blocks = [ParallelBlock(block, spec, par, local) for block in plain[1:-1]]
-    return nn.Sequential(embedding, *blocks, ParallelHead(plain[-1], embedding, spec, par))
+            param.copy_(value)
 
 
 # -- the adapter -------------------------------------------------------------------------------
@@ -249,7 +222,8 @@ class MegatronAdapter(Adapter):
         if recipe.train.precision == "fp16":
             raise RecipeError(
                 source, "train.precision",
-                "fp16 needs a loss scale agreed over the tp group (megatron-core's Float16Optimizer, CUDA only); "
+                "fp16 needs a loss scale agreed over the tp group: megatron-core's grad scaler has one on GPUs, "
+                "but the CPU path steps torch's optimizer without one, and the GPU path's fp16 is untested; "
                 "use bf16 or fp32",
             )
 
@@ -264,35 +238,111 @@ class MegatronAdapter(Adapter):
     def setup(self, model: nn.Sequential) -> None:
         from megatron.core import parallel_state
 
-        ctx = self.ctx
+        ctx, tp = self.ctx, self.options.tp
+        self.on_gpu = ctx.device.type == "cuda"
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=self.options.tp,
-            distributed_timeout_minutes=math.ceil(ctx.recipe.run.timeout_s / 60),
+            tensor_model_parallel_size=tp, distributed_timeout_minutes=math.ceil(ctx.recipe.run.timeout_s / 60),
         )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp = parallel_state.get_data_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        # tp peers share their dp rank's stream (as DDP rank dp_rank would); attention dropout is per rank.
+        if not self.on_gpu:
+            from repro.adapters import megatron_cpu
+
+            megatron_cpu.install()
+        self.dropout_streams()
+
+        spec, self.layer_spec = ctx.workload.spec, layer_spec_name(self.on_gpu)
+        self.megatron_bf16 = self.on_gpu and ctx.recipe.train.precision == "bf16"
+        gpt = build_gpt_model(spec, tp, self.layer_spec, self.megatron_bf16)
+        copy_weights(gpt, megatron_weights(model, spec, tp), tp_rank, tp)
+        self.gpt = gpt.to(ctx.device)
+        padding = torch.arange(padded_vocab(spec.vocab_size, tp)).chunk(tp)[tp_rank] >= spec.vocab_size
+        self.padding, self.padded = padding.to(ctx.device), bool(padding.any())  # padding rows are not words
+        self.positions = torch.arange(spec.seq_len, device=ctx.device)
+        self.mask = None if self.on_gpu else megatron_cpu.causal_mask(spec.seq_len)
+        if self.on_gpu:
+            self.model, self.optimizer = self.megatron_training(self.gpt)
+        else:
+            self.model, self.optimizer = self.gpt, make_optimizer(ctx.recipe.optimizer(), self.gpt.parameters())
+
+    def dropout_streams(self) -> None:
+        """tp peers share their dp rank's stream (as DDP rank dp_rank would): dropout on replicated
+        activations (embedding, residual branches) draws the same mask on every peer. Attention
+        dropout of this rank's heads draws from megatron-core's tracker, a stream per rank (on the
+        CPU, megatron_cpu's tracker, installed before)."""
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        ctx = self.ctx
+        if self.on_gpu:
+            mcore_random.initialize_rng_tracker(force_reset=True)
         ctx.seeds["shared_dropout"] = seeding.derive(ctx.recipe.seed, "rank_stream", self.dp_rank)
         ctx.seeds["tp_local_dropout"] = seeding.derive(ctx.recipe.seed, "tp_local_dropout", ctx.rank)
         self.shared_rng = RngStream(ctx.seeds["shared_dropout"], ctx.device)
-        self.local_rng = RngStream(ctx.seeds["tp_local_dropout"], ctx.device)
-        par = ParallelContext(self.options.tp, tp_rank)
-        self.model = parallel_gpt2(model, ctx.workload.spec, par, self.local_rng).to(ctx.device)
-        self.optimizer = make_optimizer(ctx.recipe.optimizer(), self.model.parameters())
+        self.tracker = mcore_random.get_cuda_rng_tracker()
+        self.tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, ctx.seeds["tp_local_dropout"])
+
+    def megatron_training(self, gpt: nn.Module) -> tuple[nn.Module, Any]:
+        """megatron-core's DistributedDataParallel and optimizer around GPTModel, as its example wires them."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        config, wanted = gpt.config, self.ctx.recipe.optimizer()
+        module = Float16Module(config, gpt) if self.megatron_bf16 else gpt
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+            use_distributed_optimizer=self.options.distributed_optimizer,
+        )
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="sgd" if wanted.name == "sgd" else "adam", lr=wanted.lr, weight_decay=wanted.weight_decay,
+            decoupled_weight_decay=wanted.name == "adamw", adam_beta1=wanted.betas[0], adam_beta2=wanted.betas[1],
+            adam_eps=wanted.eps, sgd_momentum=wanted.momentum, bf16=self.megatron_bf16,
+            params_dtype=config.params_dtype, use_distributed_optimizer=self.options.distributed_optimizer,
+            clip_grad=self.ctx.recipe.train.grad_clip or 0.0,
+        ), [model])
+        return model, optimizer
+
+    def pieces(self) -> dict[str, str]:
+        """What trains this run, piece by piece (MLflow's effective.*, a column of the results table)."""
+        if not self.on_gpu:
+            return {"model_impl": "megatron-core GPTModel", "layer_spec": self.layer_spec,
+                    "dp_impl": "repro all-reduce (megatron-core DDP needs CUDA)",
+                    "optimizer_impl": f"torch {type(self.optimizer).__name__} (megatron-core's needs CUDA)"}
+        sharded = " distributed" if self.options.distributed_optimizer else ""
+        return {"model_impl": "megatron-core GPTModel", "layer_spec": self.layer_spec,
+                "dp_impl": "megatron-core DistributedDataParallel (overlap_grad_reduce)",
+                "optimizer_impl": f"megatron-core {type(self.optimizer).__name__}{sharded}"}
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary-parallel logits, [batch, seq, padded vocab / tp]; padding rows -inf."""
+        positions = self.positions[: inputs.shape[1]].expand_as(inputs)
+        mask = None if self.mask is None else self.mask[..., : inputs.shape[1], : inputs.shape[1]]
+        logits = self.model(inputs, positions, mask)
+        return logits.masked_fill(self.padding, float("-inf")) if self.padded else logits
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.shared_rng.fork(), self.autocast():
-            loss = vocab_parallel_cross_entropy(self.model(inputs).float(), targets).mean()
+        if self.on_gpu:
+            self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        # megatron-core's bf16 is Float16Module's bf16 weights (fp32 main copies in the optimizer), not autocast
+        autocast = contextlib.nullcontext() if self.megatron_bf16 else self.autocast()
+        with self.shared_rng.fork(), autocast:
+            loss = vocab_parallel_cross_entropy(self.logits(inputs).float(), targets).mean()
         loss.backward()
-        self.average_gradients()
-        self.clip_gradients(self.model.parameters())
+        if self.on_gpu:
+            from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+            finalize_model_grads([self.model])  # waits for the overlapped all-reduce; clipping is the optimizer's
+        else:
+            self.average_gradients()
+            self.clip_gradients(self.model.parameters())
         self.optimizer.step()
         return self.shard_loss(loss)
 
@@ -329,7 +379,7 @@ class MegatronAdapter(Adapter):
         megatron-core's gather_from_tensor_model_parallel_region allocates on CUDA, hence all_gather here.
         """
         with torch.no_grad(), self.shared_rng.fork():
-            local = self.model(inputs).contiguous()
+            local = self.logits(inputs).contiguous()
         parts = [local]
         if self.options.tp > 1:
             parts = [torch.empty_like(local) for _ in range(self.options.tp)]
@@ -344,17 +394,35 @@ class MegatronAdapter(Adapter):
     def data_group(self) -> Any:
         return self.dp_group
 
+    def model_state_bytes(self) -> dict[str, int]:
+        """On the CPU path, the base count. On GPUs, megatron-core's DDP keeps gradients in its contiguous
+        buffers (not param.grad) and its optimizer its own fp32 copies and moments (not yet run on a GPU)."""
+        if not self.on_gpu:
+            return super().model_state_bytes()
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        held = [t for o in optimizers for state in o.optimizer.state.values() for t in state.values()]
+        if self.megatron_bf16 or self.options.distributed_optimizer:  # fp32 main parameters beside the model's
+            held += [p for o in optimizers for group in o.optimizer.param_groups for p in group["params"]]
+        return {"parameters": tensor_bytes(self.gpt.parameters()),
+                "gradients": tensor_bytes(b.grad_data for b in self.model.buffers),
+                "optimizer": tensor_bytes(t for t in held if isinstance(t, torch.Tensor))}
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's tp shard and its optimizer state, and the dropout streams that the loop's saved
-        default generators do not cover (they live outside them, see RngStream)."""
-        return {**super().state_dict(), "shared_rng": self.shared_rng.state, "local_rng": self.local_rng.state}
+        default generators do not cover: the shared one (RngStream) and megatron-core's tracker."""
+        streams = {"shared_rng": self.shared_rng.state, "tracker": self.tracker.get_states()}
+        return {**super().state_dict(), **streams}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.shared_rng.state, self.local_rng.state = tuple(state["shared_rng"]), tuple(state["local_rng"])
+        self.shared_rng.state = tuple(state["shared_rng"])
+        self.tracker.set_states(dict(state["tracker"]))
 
     def save_checkpoint(self, folder: Path) -> None:
         """One file per rank: tp peers hold different shards (and every rank its own local stream)."""
+        if self.on_gpu and self.options.distributed_optimizer:
+            raise RuntimeError("megatron: checkpointing the distributed optimizer (its sharded state needs "
+                               "megatron-core's dist_checkpointing) is not built; set megatron.distributed_optimizer=false")
         atomic_torch_save(self.state_dict(), self.checkpoint_file(folder))
 
     def load_checkpoint(self, folder: Path) -> None:

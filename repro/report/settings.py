@@ -16,11 +16,14 @@ from repro.recipe import Recipe
 KEYS = ("optimizer", "lr", "weight_decay", "global_batch", "micro_batches", "precision")
 TRAINING = ("optimizer", "lr", "weight_decay", "precision")  # a row keeps them at every GPU count; curves compare on them
 EFFECTIVE_PREFIX = "effective."
+# Each piece's implementation where the ranks chose it by device (Adapter.pieces; Megatron's GPU and CPU paths)
+IMPLEMENTATION = ("model_impl", "layer_spec", "dp_impl", "optimizer_impl")
 
 
 def from_params(params: dict[str, str], recipe: Recipe | None) -> dict[str, str]:
     """The run's settings: MLflow's `effective.*` params, the recipe's where a run lacks them."""
-    settings = {key: params[EFFECTIVE_PREFIX + key] for key in KEYS if EFFECTIVE_PREFIX + key in params}
+    recorded = KEYS + IMPLEMENTATION
+    settings = {key: params[EFFECTIVE_PREFIX + key] for key in recorded if EFFECTIVE_PREFIX + key in params}
     if recipe is not None:
         settings = {**from_recipe(recipe), **settings}
     if "train.precision" in params:
@@ -35,6 +38,11 @@ def from_recipe(recipe: Recipe) -> dict[str, str]:
     adapter = registry.load(registry.framework(recipe.run.framework).adapter)
     values: dict[str, Any] = {**adapter.effective(recipe), "precision": recipe.train.precision}
     return {key: str(value) for key, value in values.items()}
+
+
+def implementation(settings: dict[str, str]) -> str:
+    """'megatron-core GPTModel, local, ...': the implementation of each piece the run recorded (empty if none)."""
+    return ", ".join(settings[key] for key in IMPLEMENTATION if key in settings)
 
 
 def differences(a: dict[str, str], b: dict[str, str], keys: tuple[str, ...] = KEYS) -> list[str]:
