@@ -182,6 +182,14 @@ class Trainer:
             return self.adapter.activations.hooks()
         return contextlib.nullcontext()
 
+    def counting_communication(self) -> contextlib.AbstractContextManager:
+        """The communication counter (a profiler) around one step: the last warm-up step, left out of the
+        step times, when every framework is in its steady state (DDP has rebuilt its buckets, ZeRO's
+        optimizer state exists, a pipeline of up to WARMUP_STEPS stages has filled)."""
+        if self.steps_here == WARMUP_STEPS - 1:
+            return self.adapter.communication.counting()
+        return contextlib.nullcontext()
+
     def log_losses(self) -> None:
         """Reduce the pending steps' losses in one collective and write their step events."""
         if not self.pending:
@@ -212,7 +220,8 @@ class Trainer:
         peak, method = peak_memory_bytes(self.device)
         mine = {"rank": self.ctx.rank, "peak_bytes": peak, "method": method,
                 "device_used_bytes": device_used_bytes(self.device), **self.adapter.model_state_bytes(),
-                "activation_peak_bytes": self.adapter.activations.peak_bytes}
+                "activation_peak_bytes": self.adapter.activations.peak_bytes,
+                "comm": self.adapter.communication.per_step()}
         ranks = [mine]
         if dist.is_initialized() and self.ctx.world > 1:
             ranks = [None] * self.ctx.world
@@ -248,7 +257,7 @@ class Trainer:
             with Timer(self.device) as timer:
                 clock = StepClock(self.device)
                 for inputs, targets in self.train_loader(epoch, at.epoch_step):
-                    with self.counting_activations():
+                    with self.counting_activations(), self.counting_communication():
                         loss = self.adapter.train_step(inputs, targets)
                     at.step, at.epoch_step, self.steps_here = at.step + 1, at.epoch_step + 1, self.steps_here + 1
                     if at.step % recipe.train.log_every == 0:
