@@ -1,0 +1,201 @@
+"""The cost model: bytes a GPU holds (model state, activations) and hands to communication per step,
+per framework, in closed form from the workload's shape (repro.shapes). No torch: `repro predict` and
+the pre-launch check use it before anything starts.
+
+Every term cites its derivation: docs/memory.md (model state term by term, as read from the tensors
+DDP, DeepSpeed and the optimizers allocate; activations per GPT-2 layer, from PyTorch's autograd
+formulas) and docs/memory.md's "Communication" section (payloads per operation, from each framework's
+source). No term copies a measured number: `tests/test_costmodel.py` and `reports/model_check.*` hold
+the model against the counters (repro.metrics.model_state, repro.activation, repro.communication).
+
+Sizes are in bytes. Weights, gradients and optimizer state are fp32 under every precision the kit uses
+(autocast keeps fp32 weights), so model state does not depend on precision; activations in 16-bit
+precision use 2-byte elements, unchecked until a GPU run (smoke runs are fp32).
+
+Communication is the payload a rank hands to its process group per step, per kind of operation (what
+repro.communication counts). What a ring moves on the wire follows from it (`wire_bytes`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from repro.shapes import GPT2Shape, VGG16Shape, parameters, tensors
+
+FP32 = 4
+ACTIVATION_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+# optimizer state per parameter element, and per parameter tensor (torch.optim.Adam(W)'s `step` is a
+# 4-byte tensor per parameter; timm's Lamb keeps its step in the param group)
+OPTIMIZER_STATE = {"adam": (2 * FP32, FP32), "adamw": (2 * FP32, FP32), "lamb": (2 * FP32, 0), "sgd": (FP32, 0)}
+DEEPSPEED_ALIGNMENT = 2  # deepspeed/runtime/zero/stage_1_and_2.py: nccl_start_alignment_factor (x dp size)
+FRAMEWORKS = ("ddp", "zero", "megatron", "torchgpipe", "pipedream", "fsdp", "torch-pipeline")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What the model needs of a run: the workload's shape and the framework's settings."""
+
+    shape: GPT2Shape | VGG16Shape
+    framework: str
+    gpus: int
+    batch_per_gpu: int
+    optimizer: str = "adam"
+    precision: str = "fp32"
+    options: dict[str, Any] = field(default_factory=dict)  # the framework's recipe section, as a mapping
+
+    def option(self, name: str, default: Any) -> Any:
+        return self.options.get(name, default)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Per GPU, the busiest one: model state and activation peak in bytes, payload per step by kind."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int | None  # None: not modelled for this framework and workload
+    comm: dict[str, int]
+
+    @property
+    def model_state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(self.comm.values())
+
+    @property
+    def estimated_peak(self) -> int | None:
+        """Model state + activations: what the CPU stand-ins measure as `memory/estimated_peak_bytes`."""
+        return None if self.activations is None else self.model_state + self.activations
+
+
+def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
+    per_element, per_tensor = OPTIMIZER_STATE[cell.optimizer]
+    if cell.optimizer == "sgd" and not cell.option("momentum", 0.9):
+        per_element = 0
+    return per_element * elements + per_tensor * tensor_count
+
+
+def activations(cell: Cell, batch: int) -> int | None:
+    """Activation peak of the whole model at `batch` samples on one GPU: the sum of what each layer
+    saves for backward (the peak is reached at the end of the forward; docs/memory.md)."""
+    if not isinstance(cell.shape, GPT2Shape):
+        return None
+    return sum(cell.shape.layer_activations(batch, ACTIVATION_ELEMENT[cell.precision]))
+
+
+def ddp(cell: Cell) -> Prediction:
+    """DDP (docs/memory.md, "DDP"): every rank keeps the weights, `.grad` and the reducer's flat buckets
+    (another copy of every gradient: `gradient_as_bucket_view` off), and the whole optimizer state; each
+    step it all-reduces every bucket, the whole gradient once (torch/csrc/distributed/c10d/reducer.cpp)."""
+    psi, count = parameters(cell.shape), len(tensors(cell.shape))
+    comm = {"all_reduce": FP32 * psi} if cell.gpus > 1 else {}
+    return Prediction(FP32 * psi, 2 * FP32 * psi, optimizer_bytes(cell, psi, count),
+                      activations(cell, cell.batch_per_gpu), comm)
+
+
+def zero_partition(psi: int, ranks: int) -> int:
+    """Elements of one rank's partition: the flat buffer padded to DEEPSPEED_ALIGNMENT x ranks."""
+    alignment = DEEPSPEED_ALIGNMENT * ranks
+    return math.ceil(psi / alignment) * alignment // ranks
+
+
+def zero(cell: Cell) -> Prediction:
+    """DeepSpeed ZeRO, stages 1-3 (docs/memory.md's table; Rajbhandari et al. 2020, section 5).
+
+    Parameters: the padded flat buffer of the whole model (stages 1-2) or one partition of it (3).
+    Optimizer: an fp32 master copy of the partition and the optimizer's state of it, plus Adam's one
+    `step` tensor (ZeRO's inner optimizer steps one flat tensor per group).
+    Gradients: stage 1 every `.grad` plus one reduction bucket; stages 2-3 the partition and one bucket,
+    plus the whole gradient of each parameter that straddles the rank's partition edge (DeepSpeed keeps
+    such a parameter's gradient whole; the busiest rank counts), plus one fp32 scalar the ZeRO
+    optimizer holds at the end of backward (seen among its tensors, not identified further).
+    Communication (stage 1-2, DeepSpeed's `average_tensor`/`reduce_ipg_grads`): every gradient bucket
+    is reduced (on gloo the reduce-scatter runs as an all-reduce of the bucket: the whole gradient),
+    the gradient norm is all-reduced (one fp32), and the updated partitions are all-gathered (each
+    rank hands its partition).
+    """
+    stage, n = cell.option("stage", 2), cell.gpus
+    psi, count = parameters(cell.shape), len(tensors(cell.shape))
+    part = zero_partition(psi, n)
+    bucket = min(cell.option("reduce_bucket_size", 500_000_000), psi)
+    weights = FP32 * (part if stage == 3 else part * n)
+    grads = FP32 * (psi if stage == 1 else part + straddling(tensors(cell.shape), part, n)) + FP32 * bucket + FP32
+    optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
+    comm: dict[str, int] = {}
+    if n > 1:
+        comm = {"all_reduce": FP32 * psi + FP32, "all_gather": FP32 * part}
+    return Prediction(weights, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
+
+
+def straddling(sizes: list[int], part: int, ranks: int) -> int:
+    """The most elements of other ranks' partitions that one rank holds because a parameter's gradient
+    crosses its partition's edges (a straddling parameter's whole gradient less the rank's own share)."""
+    most = 0
+    for rank in range(ranks):
+        low, high, start, extra = rank * part, (rank + 1) * part, 0, 0
+        for size in sizes:
+            end = start + size
+            own = max(0, min(end, high) - max(start, low))
+            if 0 < own < size:
+                extra += size - own
+            start = end
+        most = max(most, extra)
+    return most
+
+
+def torchgpipe(cell: Cell) -> Prediction:
+    """torchgpipe (one process, k partitions): per partition the layers it holds, their `.grad` and
+    optimizer state (the busiest partition); every micro-batch hands its activation across each
+    boundary and its gradient back, chunks_per_gpu x k micro-batches of batch_per_gpu samples."""
+    layers, k = cell.shape.layer_tensors(), cell.gpus
+    balance = cell.option("balance", None) or even_balance(len(layers), k)
+    chunks = cell.option("chunks_per_gpu", 4) * k
+    shares = [sum(map(sum, part)) + (cell.shape.tied_elements() if index == k - 1 and k > 1 else 0)
+              for index, part in enumerate(split(layers, balance))]
+    busiest = max(shares)
+    boundary = FP32 * cell.shape.boundary_elements(cell.batch_per_gpu) * chunks if isinstance(cell.shape, GPT2Shape) else 0
+    sides = 2 if k > 2 else 1  # a middle partition joins two boundaries
+    comm = {"boundary:activation": sides * boundary, "boundary:gradient": sides * boundary} if k > 1 else {}
+    return Prediction(FP32 * busiest, FP32 * busiest, optimizer_bytes(cell, busiest, 0), None, comm)
+
+
+def even_balance(layers: int, parts: int) -> list[int]:
+    return [layers // parts + (1 if index < layers % parts else 0) for index in range(parts)]
+
+
+def split(items: list, balance: list[int]) -> list[list]:
+    out, start = [], 0
+    for size in balance:
+        out.append(items[start : start + size])
+        start += size
+    return out
+
+
+MODELS = {"ddp": ddp, "zero": zero, "torchgpipe": torchgpipe}
+
+
+def predict(cell: Cell) -> Prediction:
+    """The model of `cell`'s framework; KeyError naming the modelled ones when it has none."""
+    if cell.framework not in MODELS:
+        raise KeyError(f"no cost model for {cell.framework!r}; modelled: {', '.join(MODELS)}")
+    return MODELS[cell.framework](cell)
+
+
+def wire_bytes(kind: str, payload: int, group: int) -> float:
+    """Bytes a rank sends on the wire for `payload` handed to an operation of `kind` over `group` ranks,
+    with ring algorithms (Thakur et al. 2005; NCCL's and gloo's ring): all-reduce 2 (p-1)/p of the
+    payload, reduce-scatter (p-1)/p of the input, all-gather (p-1) x the handed partition,
+    point-to-point the payload."""
+    if group <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (group - 1) / group * payload
+    if kind == "reduce_scatter":
+        return (group - 1) / group * payload
+    if kind == "all_gather":
+        return (group - 1) * payload
+    return float(payload)

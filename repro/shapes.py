@@ -1,0 +1,113 @@
+"""The workloads' shapes without torch: each layer's parameter tensors (element counts, in the order
+`nn.Module.parameters()` yields them) and what each layer saves for backward, from the model section
+of a recipe. `repro.costmodel` works from these, so `repro predict` and the pre-launch check need no
+torch; `tests/test_costmodel.py` checks them against the built modules (repro.workloads), element for
+element. (They live outside repro/workloads/ because that package's modules build torch modules and
+import torch on import.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GPT2_VOCAB = {"bytes": 256, "gpt2": 50257}  # repro.workloads.gpt2.TOKENIZER_VOCAB
+# VGG-16, configuration D (Simonyan & Zisserman 2015, Table 1): output channels of each 3x3 convolution,
+# "M" a 2x2 max-pool (torchvision.models.vgg.cfgs["D"])
+VGG16_D = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+VGG16_CLASSES = {"imagenet": 1000, "digits": 10, "synthetic": 1000}  # repro.workloads.vgg16.NUM_CLASSES
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class GPT2Shape:
+    n_layer: int
+    d_model: int
+    n_head: int
+    seq_len: int
+    vocab: int
+
+    @classmethod
+    def from_model(cls, model: Any) -> "GPT2Shape":
+        """From a recipe's model section: its spec object or the raw mapping of a recipe file."""
+        get = model.get if isinstance(model, dict) else lambda key, default=None: getattr(model, key, default)
+        return cls(get("n_layer", 24), get("d_model", 1024), get("n_head", 16), get("seq_len", 1024),
+                   GPT2_VOCAB[get("tokenizer", "gpt2")])
+
+    def layer_tensors(self) -> list[list[int]]:
+        """Element counts of each layer's own parameters (embedding, blocks, head; the head's weight is the
+        embedding's and belongs to the embedding)."""
+        d = self.d_model
+        block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+        return [[self.vocab * d, self.seq_len * d], *([block] * self.n_layer), [d, d]]
+
+    def tied_elements(self) -> int:
+        """The head's weight, shared with the token embedding (a copy where a pipeline unties it)."""
+        return self.vocab * self.d_model
+
+    def layer_activations(self, batch: int, element: int = 4) -> list[int]:
+        """Bytes each layer saves for backward at `batch` sequences (docs/memory.md, "One GPT-2 block,
+        by hand"): a block with its input 16 N d + (4 + h) N elements, N = batch x seq_len tokens; the
+        embedding its token ids and positions (int64); the head its layer norm's input and statistics, the
+        projection's input and the loss's log-softmax (fp32: the loss upcasts), targets and total weight."""
+        n, d = batch * self.seq_len, self.d_model
+        block = element * (16 * n * d + (4 + self.n_head) * n)
+        head = element * (2 * n * d + 2 * n) + 4 * n * self.vocab + INT64 * n + 4
+        return [INT64 * (n + self.seq_len), *([block] * self.n_layer), head]
+
+    def boundary_elements(self, batch: int) -> int:
+        """Elements of the tensor handed from one layer to the next (a pipeline's activation)."""
+        return batch * self.seq_len * self.d_model
+
+
+@dataclass(frozen=True)
+class VGG16Shape:
+    width_div: int
+    classifier_width: int
+    pool_size: int
+    image_size: int
+    classes: int
+
+    @classmethod
+    def from_model(cls, model: Any, dataset: str) -> "VGG16Shape":
+        get = model.get if isinstance(model, dict) else lambda key, default=None: getattr(model, key, default)
+        return cls(get("width_div", 1), get("classifier_width", 4096), get("pool_size", 7), get("image_size", 224),
+                   VGG16_CLASSES[dataset])
+
+    def widths(self) -> list[int | str]:
+        return [c if c == "M" else c // self.width_div for c in VGG16_D]
+
+    def layer_tensors(self) -> list[list[int]]:
+        """Each layer of repro.workloads.vgg16.build_vgg16 in order: convolutions (3x3, with bias), ReLU,
+        max-pool, adaptive average pool, flatten, then linear, ReLU, dropout, linear, ReLU, dropout, linear."""
+        layers: list[list[int]] = []
+        channels = 3
+        for width in self.widths():
+            if width == "M":
+                layers.append([])
+            else:
+                layers += [[channels * width * 9, width], []]
+                channels = width
+        last, hidden = channels * self.pool_size**2, self.classifier_width
+        layers += [[], []]  # adaptive average pool, flatten
+        layers += [[last * hidden, hidden], [], [], [hidden * hidden, hidden], [], [], [hidden * self.classes, self.classes]]
+        return layers
+
+    def tied_elements(self) -> int:
+        return 0
+
+
+def shape_of(workload: str, model: Any, dataset: str) -> GPT2Shape | VGG16Shape:
+    """The shape description of `workload` from its recipe's model section."""
+    if workload == "gpt2":
+        return GPT2Shape.from_model(model)
+    return VGG16Shape.from_model(model, dataset)
+
+
+def parameters(shape: GPT2Shape | VGG16Shape) -> int:
+    """Psi: the model's distinct parameter elements."""
+    return sum(sum(layer) for layer in shape.layer_tensors())
+
+
+def tensors(shape: GPT2Shape | VGG16Shape) -> list[int]:
+    """Every distinct parameter tensor's element count, in `model.parameters()` order."""
+    return [numel for layer in shape.layer_tensors() for numel in layer]
