@@ -1,0 +1,114 @@
+"""The cost model (repro.costmodel) against the counters: model state, activations and communication.
+
+Units: the torch-free shapes (repro.shapes) equal the built modules tensor for tensor, and the model
+imports no torch. Integration: GPT-2 smoke under every modelled framework at 2 and 4 processes on gloo,
+each run's counted figures (epoch event) against the model, within the bounds of costmodel.BOUNDS;
+a different ZeRO bucket or tp degree moves both sides.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, Repro
+from repro import costmodel, events
+from repro.recipe import resolve
+from repro.runfiles import RUN_FILE
+from repro.shapes import GPT2Shape, VGG16Shape, parameters, tensors
+from repro.workloads.gpt2 import GPT2Spec, build_gpt2
+from repro.workloads.vgg16 import VGG16Spec, build_vgg16
+
+
+@pytest.mark.parametrize("spec", [GPT2Spec(4, 64, 4, 64, "bytes", 0.0), GPT2Spec()], ids=["smoke", "medium"])
+def test_gpt2_shape_matches_the_built_module_tensor_for_tensor(spec):
+    with torch.device("meta"):
+        model = build_gpt2(spec)
+    shape = GPT2Shape.from_model(spec)
+    assert tensors(shape) == [p.numel() for p in model.parameters()]
+    assert [sum(layer) for layer in shape.layer_tensors()] == [
+        sum(p.numel() for p in layer.parameters(recurse=True) if p is not model[0].wte.weight or index == 0)
+        for index, layer in enumerate(model)]
+    if spec.n_layer == 24:
+        assert parameters(shape) == 354_823_168  # GPT-2-medium, published
+
+
+@pytest.mark.parametrize("spec,classes", [(VGG16Spec(8, 128, 1, 32, 0.0), 10), (VGG16Spec(), 1000)], ids=["smoke", "paper"])
+def test_vgg16_shape_matches_the_built_module_layer_for_layer(spec, classes):
+    with torch.device("meta"):
+        model = build_vgg16(spec, classes)
+    shape = VGG16Shape.from_model(spec, "digits" if classes == 10 else "imagenet")
+    assert shape.layer_tensors() == [[p.numel() for p in layer.parameters()] for layer in model]
+    if classes == 1000:
+        assert parameters(shape) == 138_357_544  # torchvision's vgg16
+
+
+def test_the_cost_model_imports_no_torch():
+    code = "import sys, repro.costmodel; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_ring_wire_bytes():
+    assert costmodel.wire_bytes("all_reduce", 1000, 4) == 1500
+    assert costmodel.wire_bytes("all_gather", 250, 4) == 750
+    assert costmodel.wire_bytes("all_reduce", 1000, 1) == 0
+
+
+# -- measured against modelled ----------------------------------------------------------------------
+# (framework, processes, --set overrides): every modelled framework at 2 and 4, and one change of a
+# ZeRO bucket and of a tp degree at the same process count
+CELLS = {
+    "ddp-2": ("ddp", 2, []), "ddp-4": ("ddp", 4, []),
+    "zero-2": ("zero", 2, []), "zero-4": ("zero", 4, []),
+    "zero-4-bucket": ("zero", 4, ["zero.reduce_bucket_size=7000"]),
+    "megatron-tp2-2": ("megatron", 2, ["megatron.tp=2"]),
+    "megatron-tp2-4": ("megatron", 4, ["megatron.tp=2"]), "megatron-tp4-4": ("megatron", 4, ["megatron.tp=4"]),
+    "torchgpipe-2": ("torchgpipe", 2, []), "torchgpipe-4": ("torchgpipe", 4, []),
+}
+STEPS = 6  # the communication counter counts the last warm-up step (the 5th)
+
+
+@pytest.fixture(scope="module")
+def checked(shared_repro: Repro) -> dict:
+    """name -> (prediction, measured, comparison rows), one run per cell, shared by the module's tests."""
+    return {}
+
+
+def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
+    if name not in cache:
+        framework, gpus, sets = CELLS[name]
+        args = [arg for value in sets for arg in ("--set", value)]
+        result = shared_repro("run", "gpt2", "--framework", framework, "--gpus", str(gpus), "--scale", "smoke",
+                              "--max-steps", str(STEPS), "--set", "data.max_val_samples=32", *args)
+        assert result.returncode == 0, result.stderr[-3000:]
+        written = result.events()
+        (start,) = [e for e in written if e["event"] == events.START]
+        (epoch,) = [e for e in written if e["event"] == events.EPOCH]
+        spec = json.loads((result.run_dir / RUN_FILE).read_text())
+        recipe = resolve(spec["recipe"], spec["recipe"]["source"])
+        prediction = costmodel.predict(costmodel.cell_of(recipe, start["adapter"]))
+        measured = costmodel.measured_of(epoch["ranks"])
+        cache[name] = (prediction, measured, costmodel.compare(prediction, measured))
+    return cache[name]
+
+
+@pytest.mark.parametrize("name", list(CELLS))
+def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name):
+    prediction, measured, rows = check(shared_repro, checked, name)
+    assert measured["comm"] is not None and measured["comm_kinds"] == prediction.comm
+    for row in rows:
+        assert row["within"] in (True, None), row
+    assert [row["within"] for row in rows if row["quantity"] != "activations"] == [True, True]
+    if CELLS[name][0] in ("ddp", "zero"):
+        assert rows[1]["within"] is True  # data parallelism: the whole model's activations per rank
+
+
+def test_a_bucket_size_and_a_tp_degree_move_both_sides(shared_repro, checked):
+    zero, rebucketed = (check(shared_repro, checked, name) for name in ("zero-4", "zero-4-bucket"))
+    assert zero[0].model_state != rebucketed[0].model_state and zero[1]["model_state"] != rebucketed[1]["model_state"]
+    tp2, tp4 = (check(shared_repro, checked, name) for name in ("megatron-tp2-4", "megatron-tp4-4"))
+    assert tp2[0].model_state != tp4[0].model_state and tp2[1]["model_state"] != tp4[1]["model_state"]
+    assert tp2[0].comm_bytes != tp4[0].comm_bytes and tp2[1]["comm"] != tp4[1]["comm"]
