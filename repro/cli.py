@@ -85,13 +85,16 @@ def main() -> None:
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Without SLURM, the first node's rendezvous address.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Run folder (default: a new one under runs/); a job of several nodes needs one they share.")
+@click.option("--ignore-memory-check", "ignore_memory", is_flag=True,
+              help="Launch even where the cost model predicts more memory per GPU than the devices have "
+                   "(recorded on the run as the tag repro.ignored_memory_check).")
 @click.option("--oversubscribe", is_flag=True,
               help="Start more CPU processes than 2 per core on a machine without GPUs (refused otherwise).")
 def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_file: Path | None, seed: int | None,
         epochs: int | None, max_steps: int | None, tracking_uri: str | None, experiment: str,
         overrides: tuple[str, ...], allow_unverified: bool, dry_run: bool, launcher: str, resume: str | None,
         image: str | None, time_limit: str | None, partition: str | None, node_rank: int,
-        rdzv_endpoint: str | None, run_dir: Path | None, oversubscribe: bool) -> None:
+        rdzv_endpoint: str | None, run_dir: Path | None, oversubscribe: bool, ignore_memory: bool) -> None:
     """Train MODEL (vgg16 or gpt2) with one framework and record the run in MLflow.
 
     \b
@@ -120,7 +123,7 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
         if resolved.workload != model:
             fail(f"{path}: workload: the recipe is for {resolved.workload!r}, not {model!r}")
         options = runner.Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition,
-                                dry_run, oversubscribe)
+                                dry_run, oversubscribe, ignore_memory)
         outcome = runner.execute(resolved, tracking.tracking_uri(tracking_uri), experiment, options)
     except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, runner.LaunchError) as error:
         fail(str(error))

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from repro.shapes import GPT2Shape, VGG16Shape, parameters, shape_of, tensors
+from repro.shapes import GPT2Shape, VGG16Shape, parameters, shape_of, tensor_at, tensor_count
 
 FP32 = 4
 ACTIVATION_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -86,14 +86,14 @@ def activations(cell: Cell, batch: int) -> int | None:
     saves for backward (the peak is reached at the end of the forward; docs/memory.md)."""
     if not isinstance(cell.shape, GPT2Shape):
         return None
-    return sum(cell.shape.layer_activations(batch, ACTIVATION_ELEMENT[cell.precision]))
+    return cell.shape.activation_bytes(batch, ACTIVATION_ELEMENT[cell.precision])
 
 
 def ddp(cell: Cell) -> Prediction:
     """DDP (docs/memory.md, "DDP"): every rank keeps the weights, `.grad` and the reducer's flat buckets
     (another copy of every gradient: `gradient_as_bucket_view` off), and the whole optimizer state; each
     step it all-reduces every bucket, the whole gradient once (torch/csrc/distributed/c10d/reducer.cpp)."""
-    psi, count = parameters(cell.shape), len(tensors(cell.shape))
+    psi, count = parameters(cell.shape), tensor_count(cell.shape)
     comm = {"all_reduce": FP32 * psi} if cell.gpus > 1 else {}
     return Prediction(FP32 * psi, 2 * FP32 * psi, optimizer_bytes(cell, psi, count),
                       activations(cell, cell.batch_per_gpu), comm)
@@ -121,11 +121,11 @@ def zero(cell: Cell) -> Prediction:
     rank hands its partition).
     """
     stage, n = cell.option("stage", 2), cell.gpus
-    psi, count = parameters(cell.shape), len(tensors(cell.shape))
+    psi, count = parameters(cell.shape), tensor_count(cell.shape)
     part = zero_partition(psi, n)
     bucket = min(cell.option("reduce_bucket_size", 500_000_000), psi)
     weights = FP32 * (part if stage == 3 else part * n)
-    grads = FP32 * (psi if stage == 1 else part + straddling(tensors(cell.shape), part, n)) + FP32 * bucket + FP32
+    grads = FP32 * (psi if stage == 1 else part + straddling(cell.shape, part, n)) + FP32 * bucket + FP32
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
     comm: dict[str, int] = {}
     if n > 1:
@@ -133,18 +133,17 @@ def zero(cell: Cell) -> Prediction:
     return Prediction(weights, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
 
 
-def straddling(sizes: list[int], part: int, ranks: int) -> int:
+def straddling(shape: GPT2Shape | VGG16Shape, part: int, ranks: int) -> int:
     """The most elements of other ranks' partitions that one rank holds because a parameter's gradient
     crosses its partition's edges (a straddling parameter's whole gradient less the rank's own share)."""
     most = 0
     for rank in range(ranks):
-        low, high, start, extra = rank * part, (rank + 1) * part, 0, 0
-        for size in sizes:
-            end = start + size
-            own = max(0, min(end, high) - max(start, low))
+        low, high, extra = rank * part, (rank + 1) * part, 0
+        edges = {tensor_at(shape, low), tensor_at(shape, high - 1)}  # a tensor can straddle both edges
+        for start, size in edges:
+            own = max(0, min(start + size, high) - max(start, low))
             if 0 < own < size:
                 extra += size - own
-            start = end
         most = max(most, extra)
     return most
 
@@ -172,7 +171,7 @@ def megatron(cell: Cell) -> Prediction:
     tp = cell.option("tp", 1)
     dp = cell.gpus // tp
     psi = megatron_elements(cell.shape, tp)
-    count = len(tensors(cell.shape))
+    count = tensor_count(cell.shape)
     tokens = cell.batch_per_gpu * tp * cell.shape.seq_len
     reduced = 0
     if tp > 1:

@@ -33,18 +33,27 @@ class GPT2Shape:
         return cls(get("n_layer", 24), get("d_model", 1024), get("n_head", 16), get("seq_len", 1024),
                    GPT2_VOCAB[get("tokenizer", "gpt2")])
 
-    def layer_tensors(self) -> list[list[int]]:
-        """Element counts of each layer's own parameters (embedding, blocks, head; the head's weight is the
-        embedding's and belongs to the embedding)."""
+    def runs(self) -> list[tuple[list[int], int]]:
+        """(a layer's parameter tensors' element counts, how many such layers follow): the embedding, the
+        blocks, the head (its weight is the embedding's and belongs to the embedding)."""
         d = self.d_model
         block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
-        return [[self.vocab * d, self.seq_len * d], *([block] * self.n_layer), [d, d]]
+        return [([self.vocab * d, self.seq_len * d], 1), (block, self.n_layer), ([d, d], 1)]
+
+    def layer_tensors(self) -> list[list[int]]:
+        """Element counts of each layer's own parameters, layer by layer."""
+        return [layer for layer, repeat in self.runs() for _ in range(repeat)]
 
     def tied_elements(self) -> int:
         """The head's weight, shared with the token embedding (a copy where a pipeline unties it)."""
         return self.vocab * self.d_model
 
-    def layer_activations(self, batch: int, element: int = 4) -> list[int]:
+    def activation_bytes(self, batch: int, element: int = 4) -> int:
+        """The whole model's `layer_activations`, summed in closed form."""
+        embedding, block, head = (self.layer_activations(batch, element, layers=1)[i] for i in (0, 1, 2))
+        return embedding + self.n_layer * block + head
+
+    def layer_activations(self, batch: int, element: int = 4, layers: int | None = None) -> list[int]:
         """Bytes each layer saves for backward at `batch` sequences (docs/memory.md, "One GPT-2 block,
         by hand"): a block with its input 16 N d + (4 + h) N elements, N = batch x seq_len tokens; the
         embedding its token ids and positions (int64); the head its layer norm's input and statistics, the
@@ -52,7 +61,7 @@ class GPT2Shape:
         n, d = batch * self.seq_len, self.d_model
         block = element * (16 * n * d + (4 + self.n_head) * n)
         head = element * (2 * n * d + 2 * n) + 4 * n * self.vocab + INT64 * n + 4
-        return [INT64 * (n + self.seq_len), *([block] * self.n_layer), head]
+        return [INT64 * (n + self.seq_len), *([block] * (self.n_layer if layers is None else layers)), head]
 
     def boundary_elements(self, batch: int) -> int:
         """Elements of the tensor handed from one layer to the next (a pipeline's activation)."""
@@ -75,6 +84,9 @@ class VGG16Shape:
 
     def widths(self) -> list[int | str]:
         return [c if c == "M" else c // self.width_div for c in VGG16_D]
+
+    def runs(self) -> list[tuple[list[int], int]]:
+        return [(layer, 1) for layer in self.layer_tensors()]
 
     def layer_tensors(self) -> list[list[int]]:
         """Each layer of repro.workloads.vgg16.build_vgg16 in order: convolutions (3x3, with bias), ReLU,
@@ -104,10 +116,30 @@ def shape_of(workload: str, model: Any, dataset: str) -> GPT2Shape | VGG16Shape:
 
 
 def parameters(shape: GPT2Shape | VGG16Shape) -> int:
-    """Psi: the model's distinct parameter elements."""
-    return sum(sum(layer) for layer in shape.layer_tensors())
+    """Psi: the model's distinct parameter elements (closed form: a recipe may ask for 10^8 layers)."""
+    return sum(sum(layer) * repeat for layer, repeat in shape.runs())
+
+
+def tensor_count(shape: GPT2Shape | VGG16Shape) -> int:
+    return sum(len(layer) * repeat for layer, repeat in shape.runs())
 
 
 def tensors(shape: GPT2Shape | VGG16Shape) -> list[int]:
     """Every distinct parameter tensor's element count, in `model.parameters()` order."""
     return [numel for layer in shape.layer_tensors() for numel in layer]
+
+
+def tensor_at(shape: GPT2Shape | VGG16Shape, offset: int) -> tuple[int, int]:
+    """(first element, elements) of the parameter tensor holding element `offset` of the model's
+    parameters laid end to end in `model.parameters()` order; (offset, 0) past the end."""
+    start = 0
+    for layer, repeat in shape.runs():
+        size = sum(layer)
+        if offset < start + size * repeat:
+            start += (offset - start) // size * size if size else 0
+            for numel in layer:
+                if offset < start + numel:
+                    return start, numel
+                start += numel
+        start += size * repeat
+    return offset, 0

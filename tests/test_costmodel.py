@@ -112,3 +112,12 @@ def test_a_bucket_size_and_a_tp_degree_move_both_sides(shared_repro, checked):
     tp2, tp4 = (check(shared_repro, checked, name) for name in ("megatron-tp2-4", "megatron-tp4-4"))
     assert tp2[0].model_state != tp4[0].model_state and tp2[1]["model_state"] != tp4[1]["model_state"]
     assert tp2[0].comm_bytes != tp4[0].comm_bytes and tp2[1]["comm"] != tp4[1]["comm"]
+
+
+# -- refused before launch ----------------------------------------------------------------------------
+def test_a_run_that_cannot_fit_is_refused_before_launch_even_dry(repro):
+    out = repro("run", "gpt2", "--set", "model.n_layer=100000000", "--dry-run")
+    assert out.returncode == 2
+    (line,) = [line for line in out.stderr.splitlines() if "memory:" in line]
+    assert "predicted 289,940.8 GiB per GPU" in line and "this machine's RAM" in line and "--ignore-memory-check" in line
+    assert repro("run", "gpt2", "--set", "model.n_layer=100000000", "--dry-run", "--ignore-memory-check").returncode == 0
