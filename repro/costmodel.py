@@ -155,7 +155,8 @@ def megatron_elements(shape: GPT2Shape, tp: int) -> int:
     whole on every rank); position embedding and final layer norm whole."""
     d = shape.d_model
     layer = 4 * d + (3 * d * d + 3 * d) // tp + d * d // tp + d + (4 * d * d + 4 * d) // tp + 4 * d * d // tp + d
-    return shape.vocab * d // tp + shape.seq_len * d + shape.n_layer * layer + 2 * d
+    rows = -(-shape.vocab // tp)  # the vocabulary padded to a multiple of tp (repro.adapters.megatron.padded_vocab)
+    return rows * d + shape.seq_len * d + shape.n_layer * layer + 2 * d
 
 
 def megatron(cell: Cell) -> Prediction:
@@ -169,6 +170,8 @@ def megatron(cell: Cell) -> Prediction:
     if not isinstance(cell.shape, GPT2Shape):
         raise KeyError("megatron applies to gpt2 only")
     tp = cell.option("tp", 1)
+    if cell.shape.n_head % tp or cell.gpus % tp:
+        raise ValueError(f"megatron: tp {tp} must divide the heads ({cell.shape.n_head}) and the GPUs ({cell.gpus})")
     dp = cell.gpus // tp
     psi = megatron_elements(cell.shape, tp)
     count = tensor_count(cell.shape)
@@ -188,6 +191,8 @@ def torchgpipe(cell: Cell) -> Prediction:
     optimizer state (the busiest partition); every micro-batch hands its activation across each
     boundary and its gradient back, chunks_per_gpu x k micro-batches of batch_per_gpu samples."""
     layers, k = cell.shape.layer_tensors(), cell.gpus
+    if len(layers) < k:
+        raise ValueError(f"torchgpipe: {len(layers)} layers cannot fill {k} partitions")
     balance = cell.option("balance", None) or even_balance(len(layers), k)
     chunks = cell.option("chunks_per_gpu", 4) * k
     shares = [sum(map(sum, part)) + (cell.shape.tied_elements() if index == k - 1 and k > 1 else 0)

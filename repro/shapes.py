@@ -25,13 +25,14 @@ class GPT2Shape:
     n_head: int
     seq_len: int
     vocab: int
+    dropout: float = 0.0
 
     @classmethod
     def from_model(cls, model: Any) -> "GPT2Shape":
         """From a recipe's model section: its spec object or the raw mapping of a recipe file."""
         get = model.get if isinstance(model, dict) else lambda key, default=None: getattr(model, key, default)
         return cls(get("n_layer", 24), get("d_model", 1024), get("n_head", 16), get("seq_len", 1024),
-                   GPT2_VOCAB[get("tokenizer", "gpt2")])
+                   GPT2_VOCAB[get("tokenizer", "gpt2")], get("dropout", 0.1))
 
     def runs(self) -> list[tuple[list[int], int]]:
         """(a layer's parameter tensors' element counts, how many such layers follow): the embedding, the
@@ -57,11 +58,16 @@ class GPT2Shape:
         """Bytes each layer saves for backward at `batch` sequences (docs/memory.md, "One GPT-2 block,
         by hand"): a block with its input 16 N d + (4 + h) N elements, N = batch x seq_len tokens; the
         embedding its token ids and positions (int64); the head its layer norm's input and statistics, the
-        projection's input and the loss's log-softmax (fp32: the loss upcasts), targets and total weight."""
+        projection's input and the loss's log-softmax (fp32: the loss upcasts), targets and total weight.
+        With dropout, each nn.Dropout saves a 1-byte mask of its input (the embedding's, and two per block:
+        after attention and after the MLP; attention's own dropout is inside SDPA and not modelled): the
+        smoke recipes have none, so this term is unchecked."""
         n, d = batch * self.seq_len, self.d_model
-        block = element * (16 * n * d + (4 + self.n_head) * n)
+        mask = n * d if self.dropout else 0
+        block = element * (16 * n * d + (4 + self.n_head) * n) + 2 * mask
         head = element * (2 * n * d + 2 * n) + 4 * n * self.vocab + INT64 * n + 4
-        return [INT64 * (n + self.seq_len), *([block] * (self.n_layer if layers is None else layers)), head]
+        embedding = INT64 * (n + self.seq_len) + mask
+        return [embedding, *([block] * (self.n_layer if layers is None else layers)), head]
 
     def boundary_elements(self, batch: int) -> int:
         """Elements of the tensor handed from one layer to the next (a pipeline's activation)."""
