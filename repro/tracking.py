@@ -202,6 +202,13 @@ class Run:
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
 
+    def log_values(self, values: dict[str, float]) -> None:
+        """Metrics of the run as a whole (one value each, step 0): the report's model check, say."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items()])
+
     def delete_tags(self, keys: tuple[str, ...]) -> None:
         """Remove those of `keys` the run has (MLflow refuses to delete a tag that is not there)."""
         present = self.client.get_run(self.run_id).data.tags
