@@ -92,6 +92,37 @@ class CommCounter:
                 "calls": {kind: value // steps for kind, value in sorted(self.calls.items())}}
 
 
+class CallCounter(CommCounter):
+    """Counts at the torch.distributed call instead of the profiler, for adapters whose operations outlive
+    the step: PipeDream's `isend`s complete in the next step, and a profiler stopped while a process group
+    still runs an operation it recorded corrupted the heap (`free(): invalid next size`, seen on gloo).
+    Each call's first tensor is its payload (what `send`, `recv`, `all_reduce` and `broadcast` are handed)."""
+
+    KINDS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "all_reduce": "all_reduce",
+             "broadcast": "broadcast"}
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        import torch.distributed as dist
+
+        originals = {name: getattr(dist, name) for name in self.KINDS}
+        for name, kind in self.KINDS.items():
+            setattr(dist, name, self.counted(originals[name], kind))
+        try:
+            yield
+        finally:
+            for name, function in originals.items():
+                setattr(dist, name, function)
+            self.steps += 1
+
+    def counted(self, function: Any, kind: str) -> Any:
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.add(kind, tensor.numel() * tensor.element_size())
+            return function(tensor, *args, **kwargs)
+
+        return call
+
+
 class BoundaryCounter:
     """torchgpipe: tensors handed between partitions of one process, one CommCounter per partition.
 

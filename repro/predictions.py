@@ -57,10 +57,18 @@ def matrix_predictions(workload: str, scale: str = "paper") -> list[dict[str, An
     return out
 
 
-def zero_saving(gpus: int, scale: str = "paper") -> float | None:
-    """ZeRO's predicted saving of memory per GPU against DDP on GPT-2 (1 - ZeRO's / DDP's estimated peak,
-    model state + activations), the quantity the paper's 42-66% states."""
-    zero, ddp = predict("gpt2", "zero", gpus, scale), predict("gpt2", "ddp", gpus, scale)
-    if zero is None or ddp is None or not ddp.estimated_peak:
+def zero_saving(workload: str, gpus: int, scale: str = "paper") -> tuple[float, float | None] | None:
+    """ZeRO's predicted saving per GPU against DDP, as the recipes set them: (of model state, of the
+    estimated peak, model state + activations; None where activations are not modelled)."""
+    zero, ddp = predict(workload, "zero", gpus, scale), predict(workload, "ddp", gpus, scale)
+    if zero is None or ddp is None:
         return None
-    return 1 - zero.estimated_peak / ddp.estimated_peak
+    peak = 1 - zero.estimated_peak / ddp.estimated_peak if zero.estimated_peak and ddp.estimated_peak else None
+    return 1 - zero.model_state / ddp.model_state, peak
+
+
+def quoted(values: list[str]) -> str:
+    """How findings mark a predicted figure: a prediction of a model checked at smoke scale, not a measurement."""
+    bounds = ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costmodel.BOUNDS.items())
+    return (f"predicted by the cost model (checked against counted smoke runs to {bounds}; "
+            f"16-bit activations unchecked): {'; '.join(values)}")
