@@ -92,9 +92,10 @@ def activations(cell: Cell, batch: int) -> int | None:
 def ddp(cell: Cell) -> Prediction:
     """DDP (docs/memory.md, "DDP"): every rank keeps the weights, `.grad` and the reducer's flat buckets
     (another copy of every gradient: `gradient_as_bucket_view` off), and the whole optimizer state; each
-    step it all-reduces every bucket, the whole gradient once (torch/csrc/distributed/c10d/reducer.cpp)."""
+    step it all-reduces every bucket, the whole gradient once (torch/csrc/distributed/c10d/reducer.cpp),
+    one process too (its group of one moves nothing on the wire: `wire_bytes`)."""
     psi, count = parameters(cell.shape), tensor_count(cell.shape)
-    comm = {"all_reduce": FP32 * psi} if cell.gpus > 1 else {}
+    comm = {"all_reduce": FP32 * psi}
     return Prediction(FP32 * psi, 2 * FP32 * psi, optimizer_bytes(cell, psi, count),
                       activations(cell, cell.batch_per_gpu), comm)
 
