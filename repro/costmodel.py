@@ -45,6 +45,7 @@ class Cell:
     optimizer: str = "adam"
     precision: str = "fp32"
     options: dict[str, Any] = field(default_factory=dict)  # the framework's recipe section, as a mapping
+    device: str = "cuda"  # "cpu": dropout keeps a mask of the activations' own dtype (CUDA's fused kernel: 1 byte)
 
     def option(self, name: str, default: Any) -> Any:
         return self.options.get(name, default)
@@ -84,9 +85,8 @@ def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
 def activations(cell: Cell, batch: int) -> int | None:
     """Activation peak of the whole model at `batch` samples on one GPU: the sum of what each layer
     saves for backward (the peak is reached at the end of the forward; docs/memory.md)."""
-    if not isinstance(cell.shape, GPT2Shape):
-        return None
-    return cell.shape.activation_bytes(batch, ACTIVATION_ELEMENT[cell.precision])
+    element = ACTIVATION_ELEMENT[cell.precision]
+    return cell.shape.activation_bytes(batch, element, element if cell.device == "cpu" else 1)
 
 
 def ddp(cell: Cell) -> Prediction:
@@ -254,8 +254,9 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None) -> Cell:
     if facts and facts.get("balance"):
         section["balance"] = facts["balance"]
     shape = shape_of(recipe.workload, recipe.model, recipe.data.dataset)
+    device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and recipe.scale == "paper") else "cpu"
     return Cell(shape, recipe.run.framework, recipe.run.gpus, recipe.train.batch_per_gpu, optimizer.name,
-                recipe.train.precision, section)
+                recipe.train.precision, section, device)
 
 
 def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:

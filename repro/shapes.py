@@ -49,24 +49,24 @@ class GPT2Shape:
         """The head's weight, shared with the token embedding (a copy where a pipeline unties it)."""
         return self.vocab * self.d_model
 
-    def activation_bytes(self, batch: int, element: int = 4) -> int:
+    def activation_bytes(self, batch: int, element: int = 4, mask: int = 1) -> int:
         """The whole model's `layer_activations`, summed in closed form."""
-        embedding, block, head = (self.layer_activations(batch, element, layers=1)[i] for i in (0, 1, 2))
+        embedding, block, head = (self.layer_activations(batch, element, mask, layers=1)[i] for i in (0, 1, 2))
         return embedding + self.n_layer * block + head
 
-    def layer_activations(self, batch: int, element: int = 4, layers: int | None = None) -> list[int]:
+    def layer_activations(self, batch: int, element: int = 4, mask: int = 1, layers: int | None = None) -> list[int]:
         """Bytes each layer saves for backward at `batch` sequences (docs/memory.md, "One GPT-2 block,
         by hand"): a block with its input 16 N d + (4 + h) N elements, N = batch x seq_len tokens; the
         embedding its token ids and positions (int64); the head its layer norm's input and statistics, the
         projection's input and the loss's log-softmax (fp32: the loss upcasts), targets and total weight.
-        With dropout, each nn.Dropout saves a 1-byte mask of its input (the embedding's, and two per block:
+        With dropout, each nn.Dropout saves a mask of `mask` bytes per element of its input (the embedding's, and two per block:
         after attention and after the MLP; attention's own dropout is inside SDPA and not modelled): the
         smoke recipes have none, so this term is unchecked."""
         n, d = batch * self.seq_len, self.d_model
-        mask = n * d if self.dropout else 0
-        block = element * (16 * n * d + (4 + self.n_head) * n) + 2 * mask
+        masked = mask * n * d if self.dropout else 0
+        block = element * (16 * n * d + (4 + self.n_head) * n) + 2 * masked
         head = element * (2 * n * d + 2 * n) + 4 * n * self.vocab + INT64 * n + 4
-        embedding = INT64 * (n + self.seq_len) + mask
+        embedding = INT64 * (n + self.seq_len) + masked
         return [embedding, *([block] * (self.n_layer if layers is None else layers)), head]
 
     def boundary_elements(self, batch: int) -> int:
@@ -81,12 +81,13 @@ class VGG16Shape:
     pool_size: int
     image_size: int
     classes: int
+    dropout: float = 0.0
 
     @classmethod
     def from_model(cls, model: Any, dataset: str) -> "VGG16Shape":
         get = model.get if isinstance(model, dict) else lambda key, default=None: getattr(model, key, default)
         return cls(get("width_div", 1), get("classifier_width", 4096), get("pool_size", 7), get("image_size", 224),
-                   VGG16_CLASSES[dataset])
+                   VGG16_CLASSES[dataset], get("dropout", 0.5))
 
     def widths(self) -> list[int | str]:
         return [c if c == "M" else c // self.width_div for c in VGG16_D]
@@ -112,6 +113,33 @@ class VGG16Shape:
 
     def tied_elements(self) -> int:
         return 0
+
+    def activation_bytes(self, batch: int, element: int = 4, mask: int = 1) -> int:
+        """Bytes saved for backward at `batch` images, at the end of the forward (PyTorch's autograd
+        formulas, tools/autograd/derivatives.yaml): each convolution its input; a ReLU its output, the same
+        storage the next layer saves (in place, or the only reference when out of place); a max-pool
+        its input (the ReLU's output) and int64 indices of its output; the average pool its input (not
+        to a 1x1 output, which torch computes as a mean that saves nothing), the first linear its output;
+        each linear its input; with dropout a mask of `mask` bytes per element and a new output per
+        dropout; the loss its fp32 log-softmax, int64 targets and one total weight. The image batch
+        itself is the first convolution's input."""
+        side, channels = self.image_size, 3
+        floats, indices = channels * side * side, 0  # per image
+        for width in self.widths():
+            if width == "M":
+                side //= 2
+                indices += channels * side * side
+                floats += channels * side * side  # the pool's output, the next layer's input
+            else:
+                channels = width
+                floats += channels * side * side  # the ReLU's output
+        if self.pool_size == 1:
+            floats -= channels * side * side  # the last pool's output: the mean saves nothing
+        hidden = self.classifier_width
+        floats += channels * self.pool_size**2 + 2 * hidden  # pooled features; two hidden layers
+        dropped = 2 * hidden if self.dropout else 0
+        floats += dropped  # each dropout's new output
+        return (batch * (element * floats + INT64 * indices + mask * dropped) + 4 * batch * self.classes + INT64 * batch + 4)
 
 
 def shape_of(workload: str, model: Any, dataset: str) -> GPT2Shape | VGG16Shape:

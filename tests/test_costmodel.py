@@ -121,3 +121,21 @@ def test_a_run_that_cannot_fit_is_refused_before_launch_even_dry(repro):
     (line,) = [line for line in out.stderr.splitlines() if "memory:" in line]
     assert "predicted 289,940.8 GiB per GPU" in line and "this machine's RAM" in line and "--ignore-memory-check" in line
     assert repro("run", "gpt2", "--set", "model.n_layer=100000000", "--dry-run", "--ignore-memory-check").returncode == 0
+
+
+@pytest.mark.parametrize("spec,classes,batch", [
+    (VGG16Spec(8, 128, 1, 32, 0.0), 10, 16),  # the smoke recipe
+    (VGG16Spec(8, 128, 1, 32, 0.5), 10, 4),  # dropout: a mask and a new output each (CPU: float masks)
+    (VGG16Spec(16, 256, 7, 64, 0.5), 1000, 2),  # an average pool to 7x7 saves its input (a 1x1 one does not)
+], ids=["smoke", "dropout", "pooled"])
+def test_vgg16_activations_equal_the_counter(spec, classes, batch):
+    from repro.activation import Counter
+
+    torch.manual_seed(0)
+    model, counter = build_vgg16(spec, classes), Counter()
+    images, labels = torch.randn(batch, 3, spec.image_size, spec.image_size), torch.randint(classes, (batch,))
+    with counter.hooks():
+        loss = torch.nn.functional.cross_entropy(model(images).float(), labels)
+    loss.backward()
+    shape = VGG16Shape.from_model(spec, "digits" if classes == 10 else "imagenet")
+    assert counter.peak_bytes == shape.activation_bytes(batch, 4, mask=4)
