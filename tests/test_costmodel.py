@@ -139,3 +139,17 @@ def test_vgg16_activations_equal_the_counter(spec, classes, batch):
     loss.backward()
     shape = VGG16Shape.from_model(spec, "digits" if classes == 10 else "imagenet")
     assert counter.peak_bytes == shape.activation_bytes(batch, 4, mask=4)
+
+
+def test_predict_prints_both_workloads_at_paper_scale_without_torch():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "repro.cli", "predict", "--gpu-memory", "V100=16GiB"],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported
+    lines = out.stdout.splitlines()
+    assert all(any(line.startswith(f"{w}, paper scale") for line in lines) for w in ("gpt2", "vgg16"))
+    gpt2 = lines[next(i for i, line in enumerate(lines) if line.startswith("gpt2")):]
+    ddp64 = next(line.split() for line in gpt2 if line.split()[:2] == ["ddp", "64"])
+    medium = costmodel.predict(costmodel.Cell(GPT2Shape(24, 1024, 16, 1024, 50257, 0.1), "ddp", 64, 32, "lamb", "bf16"))
+    assert ddp64[2:5] == [f"{medium.model_state / 2**30:.2f}", f"{medium.activations / 2**30:.2f}",
+                          f"{medium.estimated_peak / 2**30:.2f}"] and ddp64[-1] == "none"  # 38 GiB: no V100 holds it
