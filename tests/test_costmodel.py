@@ -7,9 +7,11 @@ a different ZeRO bucket or tp degree moves both sides.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,9 +73,17 @@ CELLS = {
 STEPS = 6  # the communication counter counts the last warm-up step (the 5th)
 
 
+LAUNCH_TIMEOUT_S = 1500  # DeepSpeed JIT-builds its CPU collectives (shm_comm) on first use: minutes on 2 loaded cores
+
+
 @pytest.fixture(scope="module")
 def checked(shared_repro: Repro) -> dict:
-    """name -> (prediction, measured, comparison rows), one run per cell, shared by the module's tests."""
+    """name -> (prediction, measured, comparison rows), one run per cell, shared by the module's tests.
+
+    DeepSpeed's JIT build lands in TORCH_EXTENSIONS_DIR, and a build made from another checkout's venv
+    path is rebuilt (its include paths differ): this checkout keeps its own, so it builds once."""
+    digest = hashlib.sha256(str(REPO).encode()).hexdigest()[:12]
+    shared_repro.env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions" / f"repro-{digest}"))
     return {}
 
 
@@ -82,7 +92,8 @@ def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
         framework, gpus, sets = CELLS[name]
         args = [arg for value in sets for arg in ("--set", value)]
         result = shared_repro("run", "gpt2", "--framework", framework, "--gpus", str(gpus), "--scale", "smoke",
-                              "--max-steps", str(STEPS), "--set", "data.max_val_samples=32", *args)
+                              "--max-steps", str(STEPS), "--set", "data.max_val_samples=32", *args,
+                              timeout=LAUNCH_TIMEOUT_S)
         assert result.returncode == 0, result.stderr[-3000:]
         written = result.events()
         (start,) = [e for e in written if e["event"] == events.START]
