@@ -164,3 +164,17 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     medium = costmodel.predict(costmodel.Cell(GPT2Shape(24, 1024, 16, 1024, 50257, 0.1), "ddp", 64, 32, "lamb", "bf16"))
     assert ddp64[2:5] == [f"{medium.model_state / 2**30:.2f}", f"{medium.activations / 2**30:.2f}",
                           f"{medium.estimated_peak / 2**30:.2f}"] and ddp64[-1] == "none"  # 38 GiB: no V100 holds it
+
+
+def test_the_model_gives_the_counted_model_state_of_docs_and_the_issue():
+    """Counted before the model existed: docs/memory.md's GPT-2 smoke table (Adam, 4 ranks, bucket 20,000) and
+    issue 29's bytes per parameter (ZeRO-2 on VGG-16 smoke: 12.83 at 2 ranks, 9.12 at 4; DDP with LAMB 20.0)."""
+    gpt2 = GPT2Shape(4, 64, 4, 64, 256)
+    bucket = {"reduce_bucket_size": 20_000}
+    assert costmodel.predict(costmodel.Cell(gpt2, "zero", 4, 8, "adam", options=bucket)).model_state == 1_905_416
+    assert costmodel.predict(costmodel.Cell(gpt2, "ddp", 4, 8, "adam")).model_state == 4_411_088
+    assert costmodel.predict(costmodel.Cell(gpt2, "ddp", 2, 8, "lamb")).model_state == 20 * 220_544
+    vgg = VGG16Shape(8, 128, 1, 32, 10)
+    per_param = [costmodel.predict(costmodel.Cell(vgg, "zero", n, 16, "adam", options={"reduce_bucket_size": 25_000}))
+                 .model_state / parameters(vgg) for n in (2, 4)]
+    assert [round(x, 2) for x in per_param] == [12.83, 9.12]
