@@ -114,7 +114,8 @@ def zero(cell: Cell) -> Prediction:
     `step` tensor (ZeRO's inner optimizer steps one flat tensor per group).
     Gradients: stage 1 every `.grad` plus one reduction bucket; stages 2-3 the partition and one bucket,
     plus the whole gradient of each parameter that straddles the rank's partition edge (DeepSpeed keeps
-    such a parameter's gradient whole; the busiest rank counts), plus one fp32 scalar the ZeRO
+    such a parameter's gradient whole; the busiest rank counts), plus the gradient that completes last in
+    backward when it is larger than the bucket (`held_whole`), plus one fp32 scalar the ZeRO
     optimizer holds at the end of backward (seen among its tensors, not identified further).
     Communication (stage 1-2, DeepSpeed's `average_tensor`/`reduce_ipg_grads`): every gradient bucket
     is reduced (on gloo the reduce-scatter runs as an all-reduce of the bucket: the whole gradient),
@@ -126,12 +127,22 @@ def zero(cell: Cell) -> Prediction:
     part = zero_partition(psi, n)
     bucket = min(cell.option("reduce_bucket_size", 500_000_000), psi)
     weights = FP32 * (part if stage == 3 else part * n)
-    grads = FP32 * (psi if stage == 1 else part + straddling(cell.shape, part, n)) + FP32 * bucket + FP32
+    grads = FP32 * (psi if stage == 1 else part + straddling(cell.shape, part, n) + held_whole(cell.shape, bucket))
+    grads += FP32 * bucket + FP32
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
     comm: dict[str, int] = {}
     if n > 1:
         comm = {"all_reduce": FP32 * psi + FP32, "all_gather": FP32 * part}
     return Prediction(weights, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
+
+
+def held_whole(shape: GPT2Shape | VGG16Shape, bucket: int) -> int:
+    """Elements of the gradient DeepSpeed still holds outside its bucket when backward ends: a gradient
+    larger than the bucket is reduced on its own (stage_1_and_2.py, `extra_large_param_to_reduce`),
+    and the last one to complete, the first layer's (GPT-2's token embedding, which the tied head also
+    feeds), is held whole until the reduction after backward. Its largest tensor stands for it."""
+    largest = max(shape.runs()[0][0], default=0)
+    return largest if largest > bucket else 0
 
 
 def straddling(shape: GPT2Shape | VGG16Shape, part: int, ranks: int) -> int:
