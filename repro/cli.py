@@ -85,13 +85,16 @@ def main() -> None:
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Without SLURM, the first node's rendezvous address.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Run folder (default: a new one under runs/); a job of several nodes needs one they share.")
+@click.option("--ignore-memory-check", "ignore_memory", is_flag=True,
+              help="Launch even where the cost model predicts more memory per GPU than the devices have "
+                   "(recorded on the run as the tag repro.ignored_memory_check).")
 @click.option("--oversubscribe", is_flag=True,
               help="Start more CPU processes than 2 per core on a machine without GPUs (refused otherwise).")
 def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_file: Path | None, seed: int | None,
         epochs: int | None, max_steps: int | None, tracking_uri: str | None, experiment: str,
         overrides: tuple[str, ...], allow_unverified: bool, dry_run: bool, launcher: str, resume: str | None,
         image: str | None, time_limit: str | None, partition: str | None, node_rank: int,
-        rdzv_endpoint: str | None, run_dir: Path | None, oversubscribe: bool) -> None:
+        rdzv_endpoint: str | None, run_dir: Path | None, oversubscribe: bool, ignore_memory: bool) -> None:
     """Train MODEL (vgg16 or gpt2) with one framework and record the run in MLflow.
 
     \b
@@ -120,7 +123,7 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
         if resolved.workload != model:
             fail(f"{path}: workload: the recipe is for {resolved.workload!r}, not {model!r}")
         options = runner.Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition,
-                                dry_run, oversubscribe)
+                                dry_run, oversubscribe, ignore_memory)
         outcome = runner.execute(resolved, tracking.tracking_uri(tracking_uri), experiment, options)
     except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, runner.LaunchError) as error:
         fail(str(error))
@@ -291,6 +294,50 @@ def parity(model: str, scale: str, steps: int, configs: str | None, tracking_uri
     broken = parity_module.failed(found)
     if broken:
         fail(f"parity fails for {', '.join(r.name for r in broken)} (see {reports / 'parity.md'})", 1)
+
+
+@main.command()
+@click.option("--scale", type=click.Choice(SCALES), default="paper", show_default=True, help="The matrix's scale.")
+@click.option("--model", "models", type=click.Choice(MODELS), multiple=True, help="Only this workload (repeatable).")
+@click.option("--gpu-memory", "gpu_memory", multiple=True, metavar="[NAME=]SIZE",
+              help="A device to check fits against, e.g. 16GiB or V100=16GiB (repeatable; default: "
+                   "V100-16GB, A100-40GB, H100-80GB, H200-141GB).")
+def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) -> None:
+    """Memory per GPU and communication per step of every Table 2 cell, predicted by the cost model.
+
+    \b
+    Model state, activations and their sum (the estimated peak, without the allocator's cache and
+    communication scratch) per GPU, the payload each GPU hands to communication per step, and on
+    which devices the estimated peak fits. The model is checked against counted runs at smoke scale
+    (reports/model_check.md); 16-bit activations and GPU-only paths are unchecked. Imports no torch.
+
+    \b
+    Examples:
+      repro predict
+      repro predict --model gpt2 --gpu-memory 24GiB
+    """
+    from repro.hardware import GPU_MEMORY_GIB
+    from repro.predictions import matrix_predictions
+
+    devices = dict(GPU_MEMORY_GIB)
+    if gpu_memory:
+        devices = {}
+        for text in gpu_memory:
+            name, _, size = text.rpartition("=")
+            if not size.lower().endswith("gib") or not size[:-3].replace(".", "", 1).isdigit():
+                fail(f"--gpu-memory: {text!r} is not [NAME=]SIZE in GiB, e.g. 16GiB or V100=16GiB")
+            devices[name or size] = float(size[:-3])
+    for workload in models or MODELS:
+        click.echo(f"{workload}, {scale} scale: per GPU, GiB; communication MiB per step (payload handed)")
+        click.echo(f"  {'row':<16}{'gpus':>5}{'state':>9}{'activ.':>9}{'peak':>9}{'comm':>10}  fits")
+        for entry in matrix_predictions(workload, scale):
+            p = entry["prediction"]
+            gib = lambda size: "-" if size is None else f"{size / 2**30:.2f}"  # noqa: E731
+            peak = p.estimated_peak if p.estimated_peak is not None else p.model_state
+            fits = [name for name, size in devices.items() if peak <= size * 2**30]
+            note = "" if p.estimated_peak is not None else " (by model state: activations not modelled)"
+            click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{gib(p.model_state):>9}{gib(p.activations):>9}"
+                       f"{gib(p.estimated_peak):>9}{p.comm_bytes / 2**20:>10.1f}  {', '.join(fits) or 'none'}{note}")
 
 
 @main.command("list")

@@ -38,6 +38,9 @@ PEAK_MEMORY = "memory/peak_bytes"
 MODEL_STATE = "memory/model_state_bytes"
 ACTIVATION_PEAK = "memory/activation_peak_bytes"  # tensors saved for backward (repro.activation)
 ESTIMATED_PEAK = "memory/estimated_peak_bytes"  # model state + activation peak: a GPU's peak, estimated on CPU
+COMM_BYTES = "comm/bytes_per_step"  # payload a rank hands to its process groups in one step (repro.communication), busiest rank
+MODEL_CHECK = "model/{}_{}"  # {quantity}_{bytes|error}: the cost model's figure for a run, and its relative error
+COMM_KIND_BYTES = "comm/{}_bytes_per_step"  # {} is an operation kind (all_reduce, send, boundary:activation, ...)
 
 
 class EventWriter:

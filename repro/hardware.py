@@ -15,6 +15,10 @@ PEAK_TFLOPS: list[tuple[str, float, float, float]] = [
     ("V100", 7.8, 15.7, 125.0),
 ]
 
+# GPU memory of the devices `repro predict` checks fits against by default (vendor datasheets, GiB as
+# the devices report it: the V100 16 GB, the A100 40 GB, the H100 SXM 80 GB, the H200 141 GB models)
+GPU_MEMORY_GIB = {"V100-16GB": 16.0, "A100-40GB": 40.0, "H100-80GB": 80.0, "H200-141GB": 141.0}
+
 # The paper's Table 2, as published.
 PAPER_PLATFORMS = [
     {"platform": "Lassen (paper)", "nodes": 795, "cpu": "IBM Power9", "cores_per_node": 44, "gpu": "NVIDIA V100",
@@ -67,6 +71,13 @@ def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_memory_bytes() -> int:
+    """Memory of this machine's first CUDA device (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
 
 
 def cpu_cores() -> int:

@@ -197,26 +197,34 @@ class Trainer:
         self.host_syncs[f"{self.phase}/{site}"] += 1
         return tensor.tolist()
 
-    def counting_activations(self) -> contextlib.AbstractContextManager | None:
-        """The activation counter's hooks, over this process's first steps only (None after them): a
-        Python call per saved tensor would slow every step (measured: about 5% on the smoke GPT-2). Each
-        step saves the same tensors, so the warm-up steps (left out of the step-time distribution) plus
-        one per process (a pipeline's in-flight mini-batches peak once it has filled, one per stage) see
-        the peak."""
+    def counters(self) -> list[contextlib.AbstractContextManager]:
+        """The counters open over this process's next step (none after the first steps):
+        - the activation counter's hooks over the warm-up steps plus one per process (a pipeline's
+          in-flight mini-batches peak once it has filled, one per stage): a Python call per saved tensor
+          would slow every step (measured: about 5% on the smoke GPT-2), and each step saves the same
+          tensors, so these steps see the peak;
+        - the communication counter (a profiler) around the last warm-up step, left out of the step
+          times, when every framework is in its steady state (DDP has rebuilt its buckets, ZeRO's
+          optimizer state exists, a pipeline of up to WARMUP_STEPS stages has filled)."""
+        open_now = []
         if self.steps_here < WARMUP_STEPS + self.ctx.world:
-            return self.adapter.activations.hooks()
-        return None
+            open_now.append(self.adapter.activations.hooks())
+        if self.steps_here == WARMUP_STEPS - 1:
+            open_now.append(self.adapter.communication.counting())
+        return open_now
 
     def counted_step(self, inputs: object, targets: object, spent: Stopwatch) -> torch.Tensor | None:
-        """The adapter's step, inside the kit's counting context while it is open. What the counters
-        cost inside the step goes to `spent`: entering and leaving their context, and the time their
-        callbacks timed themselves (`spent_ns`, e.g. the activation counter's saved-tensor hooks)."""
-        counting = self.counting_activations()
-        if counting is None:
+        """The adapter's step, inside the counters open over it. What the counters cost inside the step
+        goes to `spent`: entering and leaving their contexts, and the time their callbacks timed
+        themselves (`spent_ns`, e.g. the activation counter's saved-tensor hooks)."""
+        counters = self.counters()
+        if not counters:
             return self.adapter.train_step(inputs, targets)
         hooks_before = self.counters_spent_ns()
         spent.start()
-        with counting:
+        with contextlib.ExitStack() as stack:
+            for counter in counters:
+                stack.enter_context(counter)
             spent.stop()
             loss = self.adapter.train_step(inputs, targets)
             spent.start()
@@ -227,7 +235,8 @@ class Trainer:
     def counters_spent_ns(self) -> int:
         """Nanoseconds the counters' callbacks have timed themselves so far (a counter without
         callbacks inside the step has no `spent_ns`: entering and leaving its context is its cost)."""
-        return sum(getattr(counter, "spent_ns", 0) for counter in (self.adapter.activations,))
+        counters = (self.adapter.activations, self.adapter.communication)
+        return sum(getattr(counter, "spent_ns", 0) for counter in counters)
 
     def log_losses(self) -> None:
         """Reduce the pending steps' losses in one collective and write their step events."""
@@ -259,7 +268,8 @@ class Trainer:
         peak, method = peak_memory_bytes(self.device)
         mine = {"rank": self.ctx.rank, "peak_bytes": peak, "method": method,
                 "device_used_bytes": device_used_bytes(self.device), **self.adapter.model_state_bytes(),
-                "activation_peak_bytes": self.adapter.activations.peak_bytes}
+                "activation_peak_bytes": self.adapter.activations.peak_bytes,
+                "comm": self.adapter.communication.per_step()}
         ranks = [mine]
         if dist.is_initialized() and self.ctx.world > 1:
             ranks = [None] * self.ctx.world

@@ -87,6 +87,7 @@ class Launch:
     partition: str | None = None
     dry_run: bool = False
     oversubscribe: bool = False  # more CPU processes than CPU_PROCESSES_PER_CORE x cores, on purpose
+    ignore_memory: bool = False  # launch even where the cost model predicts more memory than the devices have
 
 
 @dataclass
@@ -121,6 +122,7 @@ def check_machine(recipe: Recipe, options: Launch) -> None:
     registry.adapter_class(recipe.run.framework)  # unavailable frameworks fail before anything starts
     check_launch(recipe, options)
     check_devices(recipe, options)
+    check_memory(recipe, options)
 
 
 def check_data(recipe: Recipe) -> Verified:
@@ -155,6 +157,32 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
             "use fewer --gpus, --launcher slurm, or --oversubscribe")
 
 
+def check_memory(recipe: Recipe, options: Launch) -> None:
+    """The memory the cost model predicts per GPU fits this node's devices: a GPU's memory, or the RAM
+    that the CPU processes standing in for its GPUs share. SLURM's nodes are not known here."""
+    if options.launcher != "local" or options.ignore_memory:
+        return
+    from repro import costmodel
+
+    try:
+        predicted = costmodel.predict(costmodel.cell_of(recipe))
+    except KeyError:  # no model for this framework or workload: nothing to check against
+        return
+    per_gpu = predicted.estimated_peak or predicted.model_state
+    gpus = recipe.run.gpus // recipe.run.nodes
+    on_gpu = recipe.run.device == "cuda" or (recipe.run.device == "auto" and hardware.gpu_count())
+    need, have = (per_gpu, hardware.gpu_memory_bytes()) if on_gpu else (per_gpu * gpus, hardware.memory_gb() * 2**30)
+    if need > have:
+        standing_in = "" if on_gpu else f" x {gpus} CPU stand-in{'s' if gpus > 1 else ''} = {gib(need)}"
+        raise LaunchError(
+            f"memory: predicted {gib(per_gpu)} per GPU ({recipe.run.framework}, repro.costmodel){standing_in}, over "
+            f"this machine's {'GPU memory' if on_gpu else 'RAM'}, {gib(have)}; --ignore-memory-check to launch anyway")
+
+
+def gib(size: float) -> str:
+    return f"{size / 2**30:,.1f} GiB"
+
+
 def check_data_size(recipe: Recipe, data_dir: Path) -> None:
     """The training split holds at least one global batch, so every epoch has a step."""
     workload = registry.workload_class(recipe.workload)(recipe.model, recipe.data, data_dir)
@@ -165,7 +193,7 @@ def check_data_size(recipe: Recipe, data_dir: Path) -> None:
         raise RecipeError(str(data_dir), "train.batch_per_gpu", batch_too_big(recipe, batch, samples, why))
 
 
-def run_tags(recipe: Recipe, data: Verified, run_dir: Path) -> dict[str, str]:
+def run_tags(recipe: Recipe, data: Verified, run_dir: Path, ignore_memory: bool = False) -> dict[str, str]:
     tags = {
         "model": recipe.workload, "framework": recipe.run.framework, "gpus": recipe.run.gpus,
         "nodes": recipe.run.nodes, "scale": recipe.scale, "seed": recipe.seed,
@@ -174,6 +202,8 @@ def run_tags(recipe: Recipe, data: Verified, run_dir: Path) -> dict[str, str]:
     }
     if recipe.run.allow_unverified:
         tags["unverified_data"] = "true"
+    if ignore_memory:
+        tags["ignored_memory_check"] = "true"
     image = doctor.image()
     if image:
         tags["image"] = image
@@ -347,7 +377,7 @@ def new_run(
     run_dir = new_run_dir(recipe, options.run_dir)
     dataset_input = (recipe.data.dataset, data.sha256, str(data.root.resolve()))
     status = "SCHEDULED" if options.launcher == "slurm" else "RUNNING"
-    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data, run_dir),
+    run = tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data, run_dir, options.ignore_memory),
                               run_params(recipe), dataset_input, status)
     spec = {
         "recipe": recipe.to_dict(), "data_dir": str(data.root.resolve()), "data_sha256": data.sha256,

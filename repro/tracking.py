@@ -124,9 +124,22 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
     if activations:  # not from frameworks with their own runtime (LBANN)
         out += [(events.ACTIVATION_PEAK, max(activations.values()), step)]
         out += [(events.ESTIMATED_PEAK, max(state[rank] + activations[rank] for rank in activations), step)]
+    out += comm_metrics(ranks, step)
     for r in ranks:
         out += [(f"memory/rank{r['rank']}/peak_bytes", r["peak_bytes"], step)]
         out += [(f"memory/rank{r['rank']}/model_state_bytes", state[r["rank"]], step)]
+    return out
+
+
+def comm_metrics(ranks: list[dict[str, Any]], step: int) -> list[tuple[str, float, int]]:
+    """The busiest rank's payload per step, in all and per operation kind (absent before the counter ran)."""
+    counted = [r["comm"]["bytes"] for r in ranks if r.get("comm")]
+    if not counted:
+        return []
+    out = [(events.COMM_BYTES, max(sum(kinds.values()) for kinds in counted), step)]
+    for kind in sorted({kind for kinds in counted for kind in kinds}):
+        name = kind.replace(":", "_")  # MLflow keys allow no colon
+        out += [(events.COMM_KIND_BYTES.format(name), max(kinds.get(kind, 0) for kinds in counted), step)]
     return out
 
 
@@ -193,6 +206,13 @@ class Run:
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
+
+    def log_values(self, values: dict[str, float]) -> None:
+        """Metrics of the run as a whole (one value each, step 0): the report's model check, say."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items()])
 
     def delete_tags(self, keys: tuple[str, ...]) -> None:
         """Remove those of `keys` the run has (MLflow refuses to delete a tag that is not there)."""

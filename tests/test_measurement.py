@@ -98,9 +98,10 @@ def test_a_stop_lands_a_step_after_the_next_vote(trainer, monkeypatch):
 
 
 def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distribution(trainer, monkeypatch):
-    counter = trainer.adapter.activations
-    opened = []
+    counter, comm = trainer.adapter.activations, trainer.adapter.communication
+    opened, counted = [], []
     monkeypatch.setattr(counter, "hooks", lambda: opened.append(trainer.steps_here) or type(counter).hooks(counter))
+    monkeypatch.setattr(comm, "counting", lambda: counted.append(trainer.steps_here) or type(comm).counting(comm))
     assert trainer.run() == 0
     trainer.close(clean=True)
     written = events.read_all(trainer.run_dir / events.EVENTS_FILE)
@@ -116,6 +117,10 @@ def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distributio
     # peak that docs/memory.md derives by hand for the smoke GPT-2 at batch 8.
     assert opened == list(range(WARMUP_STEPS + 1))
     assert epoch["ranks"][0]["activation_peak_bytes"] == 9_253_380
+    # Communication is counted over one step, the last warm-up step: one process's DDP still all-reduces
+    # its one bucket, every gradient of the 220,544-parameter model (docs/memory.md).
+    assert counted == [WARMUP_STEPS - 1]
+    assert epoch["ranks"][0]["comm"] == {"bytes": {"all_reduce": 4 * 220_544}, "calls": {"all_reduce": 1}}
     (end,) = [e for e in written if e["event"] == events.END]
     assert end["host_syncs"]["steps/loss"] == STEPS // loop.SYNC_EVERY
     # The loop's own time between steps, a mean over all 40 steps, is positive and a small part of a step;

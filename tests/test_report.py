@@ -55,7 +55,9 @@ def record(uri: str, cell: Cell) -> None:
         return
     epoch_s, curve, state_mib, activation_mib = spec
     ranks = [{"rank": r, "peak_bytes": 900 * MIB, "method": "cpu_peak_rss", "parameters": state_mib * MIB,
-              "gradients": 0, "optimizer": 0, "activation_peak_bytes": activation_mib * MIB} for r in range(cell.gpus)]
+              "gradients": 0, "optimizer": 0, "activation_peak_bytes": activation_mib * MIB,
+              "comm": {"bytes": {"all_reduce": state_mib * MIB // 2}, "calls": {"all_reduce": 1}} if cell.gpus > 1 else {}}
+             for r in range(cell.gpus)]
     run.log_events([
         {"event": events.EPOCH, "wall": 1.0e9 + epoch, "epoch": epoch, "epoch_s": epoch_s, "elapsed_s": epoch_s * (epoch + 1),
          "samples_per_s": 1000 / epoch_s, "val": {events.VAL_PERPLEXITY: value}, "ranks": ranks,
@@ -184,9 +186,24 @@ def test_platform_table_has_the_papers_rows_and_this_machine(report: Path) -> No
     assert platforms[0]["gpu_fp64_tflops"] == "7.0" and platforms[1]["gpus_per_node"] == "8"
 
 
+def test_communication_and_the_cost_model_check_are_reported(report: Path) -> None:
+    from repro import costmodel
+
+    assert float(rows(report)[("ddp", 4)]["comm_mib_per_step"]) == 4.0 and rows(report)[("ddp", 1)]["comm_mib_per_step"] == ""
+    checked = {c["cell"]: c for c in json.loads((report / "model_check.json").read_text())}
+    recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=ddp", "run.gpus=4"])
+    modelled = costmodel.predict(costmodel.cell_of(recipe))
+    state, activations, comm = checked["gpt2 ddp 4g"]["rows"]
+    assert (state["measured"], state["modelled"]) == (8 * MIB, modelled.model_state) and state["within"] is False
+    assert (comm["measured"], comm["modelled"]) == (4 * MIB, modelled.comm_bytes)
+    assert "| gpt2 ddp 4g | model_state | 8,388,608 |" in (report / "model_check.md").read_text()
+    run = tracking.client(f"sqlite:///{report.parent}/mlflow.db").get_run(checked["gpt2 ddp 4g"]["run_id"])
+    assert run.data.metrics[events.MODEL_CHECK.format("model_state", "bytes")] == modelled.model_state
+
+
 def test_figures_are_written(report: Path) -> None:
     from matplotlib.image import imread
 
-    for name in ("epoch_time", "memory_peak", "memory_model_state", "val_vs_time", "val_vs_epoch"):
+    for name in ("epoch_time", "memory_peak", "memory_model_state", "comm_per_step", "val_vs_time", "val_vs_epoch"):
         image = imread(report / f"{name}.png")
         assert image.shape[0] > 300 and image.shape[1] > 500, name

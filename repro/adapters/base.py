@@ -22,6 +22,7 @@ from torch import nn
 from repro import launch
 from repro.activation import Counter
 from repro.checkpoint import atomic_torch_save
+from repro.communication import CommCounter
 from repro.metrics import model_state
 from repro.schema import RecipeError
 from repro.recipe import FrameworkOptions, Recipe
@@ -64,6 +65,7 @@ class Adapter:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.activations = Counter()  # the loop runs its first steps inside its hooks(); torchgpipe counts per partition
+        self.communication = CommCounter()  # the loop counts one warm-up step; torchgpipe counts its partition boundaries
 
     # -- class-level facts, used before any process starts ------------------------------------
     workloads: tuple[str, ...] = ("vgg16", "gpt2")  # the workloads this framework applies to

@@ -60,6 +60,7 @@ from torch.func import functional_call
 from repro.adapters import pipeline
 from repro.adapters.base import Adapter
 from repro.checkpoint import atomic_torch_save
+from repro.communication import CallCounter
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
@@ -127,6 +128,7 @@ class PipeDreamAdapter(Adapter):
         self.in_flight: deque[InFlight] = deque()
         self.admitted = 0
         self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.communication = CallCounter()  # its isends outlive the step: no profiler (repro.communication)
         self.trace: deque[dict[str, Any]] = deque(maxlen=TRACE_LENGTH)
 
     def measured_balance(self, model: nn.Sequential) -> list[int]:

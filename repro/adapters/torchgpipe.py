@@ -27,6 +27,7 @@ from torch import nn
 from repro.activation import PartitionCounters
 from repro.adapters import pipeline
 from repro.adapters.base import Adapter
+from repro.communication import BoundaryCounter
 from repro.metrics import model_state
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe
@@ -109,6 +110,7 @@ class GPipeAdapter(Adapter):
         )
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())
         self.activations = PartitionCounters(self.model.partitions)
+        self.communication = BoundaryCounter(self.model.partitions)
 
     def facts(self) -> dict[str, Any]:
         return {

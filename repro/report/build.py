@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from repro.hardware import PAPER_PLATFORMS, this_platform
-from repro.report import figures, findings, tables
+from repro.report import figures, findings, model_check, tables
 from repro.report.collect import Result, collect
 from repro.cell import Cell
 
@@ -23,6 +23,7 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     paths = tables.write_all(folder, "table2_platforms", [*PAPER_PLATFORMS, this_platform(nodes)], tables.PLATFORM_COLUMNS)
     paths += tables.write_all(folder, "results", tables.result_rows(results), tables.RESULT_COLUMNS)
     paths += figures.all_figures(results, folder)
+    paths += model_check.write(folder, results, uri)
     verdicts = findings.judge(results, parity=read_parity(folder), cores=cores)
     (folder / "findings.md").write_text(findings.markdown(verdicts))
     (folder / "findings.json").write_text(json.dumps([asdict(f) for f in verdicts], indent=2))

@@ -2,6 +2,7 @@
 of a cell are folded into one result with their median and a 95% interval."""
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ class Result:
     model_state_bytes: float | None = None
     activation_bytes: float | None = None  # tensors saved for backward, peak (repro.activation)
     estimated_peak_bytes: float | None = None  # model state + activations: a GPU's peak, estimated on CPU
+    comm_bytes: float | None = None  # payload handed to communication per step, busiest rank (repro.communication)
+    facts: dict[str, Any] = field(default_factory=dict)  # the adapter's setup decisions (params adapter.*)
     settings: dict[str, str] = field(default_factory=dict)  # what the framework trains with (report.settings)
     memory_method: str = ""
     resumed_from_step: str = ""  # set when the run was stopped and continued from a checkpoint
@@ -158,6 +161,8 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             model_state_bytes=run.data.metrics.get(events.MODEL_STATE),
             activation_bytes=run.data.metrics.get(events.ACTIVATION_PEAK),
             estimated_peak_bytes=run.data.metrics.get(events.ESTIMATED_PEAK),
+            comm_bytes=run.data.metrics.get(events.COMM_BYTES),
+            facts={k.removeprefix("adapter."): json.loads(v) for k, v in run.data.params.items() if k.startswith("adapter.")},
             settings=run_settings.from_params(run.data.params, cell.recipe),
             memory_method=run.data.tags.get("repro.memory_method", ""),
             resumed_from_step=run.data.tags.get("repro.resumed_from_step", ""),

@@ -74,6 +74,12 @@ def memory(results: list[Result], folder: Path) -> list[Path]:
     return [p for p in (peak, state) if p]
 
 
+def communication(results: list[Result], folder: Path) -> Path | None:
+    """Payload each GPU hands to communication per step (repro.communication), against GPU count."""
+    return _per_gpu_plot(results, folder / "comm_per_step.png", lambda r: r.comm_bytes and r.comm_bytes / 2**20,
+                         "communication per step per GPU (MiB)", "payload handed per step")
+
+
 def statistical_efficiency(results: list[Result], folder: Path) -> list[Path]:
     """Validation metric against training wall-clock and against epochs, at the largest GPU count
     with at least two frameworks (the paper's comparison at a fixed GPU count)."""
@@ -106,5 +112,6 @@ def statistical_efficiency(results: list[Result], folder: Path) -> list[Path]:
 
 
 def all_figures(results: list[Result], folder: Path) -> list[Path]:
-    found = [epoch_time(results, folder), *memory(results, folder), *statistical_efficiency(results, folder)]
+    found = [epoch_time(results, folder), *memory(results, folder), communication(results, folder),
+             *statistical_efficiency(results, folder)]
     return [p for p in found if p]

@@ -206,7 +206,28 @@ def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
             verdicts.append(HOLDS if grows else FAILS)
             notes.append(f"{w}: saving {'grows' if grows else 'does not grow'} with GPUs "
                          f"({' -> '.join(f'{s:.0%}' for s in savings)})")
+    notes += zero_memory_predicted(res.workloads, t["from_gpus"], (low, high))
     return combine(verdicts), notes
+
+
+def zero_memory_predicted(workloads: list[str], from_gpus: int, paper: tuple[float, float]) -> list[str]:
+    """ZeRO's saving at the paper's scale and GPU counts, from the cost model: a prediction beside the
+    paper's figure, not a verdict."""
+    from repro.predictions import quoted, zero_saving
+    from repro.table2 import load_matrix
+
+    notes = []
+    for w in workloads:
+        values = []
+        for g in (g for g in load_matrix().scales["paper"].gpus if g >= from_gpus):
+            saving = zero_saving(w, g)
+            if saving:
+                state, peak = saving
+                values.append(f"{g} GPUs {state:.0%}" + (f" ({peak:.0%} of model state + activations)" if peak is not None else ""))
+        if values:
+            notes.append(f"{w} at paper scale, ZeRO's model-state saving against DDP (paper: {paper[0]:.0%}-{paper[1]:.0%}), "
+                         + quoted(values))
+    return notes
 
 
 def pipedream_slower(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:

@@ -1,0 +1,74 @@
+"""Predictions of the cost model (repro.costmodel) for the Table 2 matrix, read from the recipe files
+without torch: what `repro predict` prints and what findings quote.
+
+A prediction is the model's, checked against the counters at smoke scale (reports/model_check.md,
+tests/test_costmodel.py) to costmodel.BOUNDS; at paper scale its 16-bit activation terms and GPU-only
+paths are unchecked until a GPU run.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import yaml
+
+from repro import costmodel
+from repro.recipe import recipe_path
+from repro.shapes import shape_of
+
+
+def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costmodel.Cell:
+    """The model's cell of a recipe file with `sets` ("section.field=value", YAML values) applied."""
+    raw = yaml.safe_load(recipe_path(workload, scale).read_text())
+    for text in sets:
+        key, _, value = text.partition("=")
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})[name] = yaml.safe_load(value)
+    section = dict(raw.get(framework.replace("-", "_")) or {})
+    train = raw["train"]
+    optimizer = section.get("optimizer") or train["optimizer"]
+    options = {**section, "grad_clip": train.get("grad_clip"), "momentum": optimizer.get("momentum", 0.9)}
+    return costmodel.Cell(shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"]), framework, gpus,
+                          train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"), options)
+
+
+def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costmodel.Prediction | None:
+    """The model's prediction for one cell of the matrix (None where the framework has no model)."""
+    try:
+        return costmodel.predict(recipe_cell(workload, framework, gpus, scale, sets))
+    except KeyError:
+        return None
+
+
+def matrix_predictions(workload: str, scale: str = "paper") -> list[dict[str, Any]]:
+    """One row per modelled Table 2 cell of `workload` at `scale`: row name, GPUs and the prediction."""
+    from repro.table2 import load_matrix
+
+    matrix = load_matrix()
+    out = []
+    for row in matrix.rows:
+        for gpus in matrix.scales[scale].gpus:
+            sets = [text.format(gpus=gpus) for text in row.set]
+            try:
+                prediction = predict(workload, row.framework, gpus, scale, sets)
+            except (ValueError, ZeroDivisionError):
+                prediction = None
+            if prediction is not None:
+                out.append({"row": row.name, "framework": row.framework, "gpus": gpus, "prediction": prediction})
+    return out
+
+
+def zero_saving(workload: str, gpus: int, scale: str = "paper") -> tuple[float, float | None] | None:
+    """ZeRO's predicted saving per GPU against DDP, as the recipes set them: (of model state, of the
+    estimated peak, model state + activations; None where activations are not modelled)."""
+    zero, ddp = predict(workload, "zero", gpus, scale), predict(workload, "ddp", gpus, scale)
+    if zero is None or ddp is None:
+        return None
+    peak = 1 - zero.estimated_peak / ddp.estimated_peak if zero.estimated_peak and ddp.estimated_peak else None
+    return 1 - zero.model_state / ddp.model_state, peak
+
+
+def quoted(values: list[str]) -> str:
+    """How findings mark a predicted figure: a prediction of a model checked at smoke scale, not a measurement."""
+    bounds = ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costmodel.BOUNDS.items())
+    return (f"predicted by the cost model (checked against counted smoke runs to {bounds}; "
+            f"16-bit activations unchecked): {'; '.join(values)}")

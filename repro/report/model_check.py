@@ -1,0 +1,78 @@
+"""reports/model_check.{md,json}: every finished cell's counted figures against the cost model.
+
+For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes)
+and payload per step (comm/bytes_per_step), busiest rank, against repro.costmodel's figure for the
+cell's recipe, with the relative error and the bound it is held to (costmodel.BOUNDS). A cell whose
+framework has no model, or a quantity the model leaves open, says so instead of a verdict. The model's
+figure and error are also logged on the cell's own MLflow run (events.MODEL_CHECK).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from repro import costmodel, events
+from repro.report.collect import Result
+
+QUANTITY_METRIC = {"model_state": "model_state_bytes", "activations": "activation_bytes", "comm": "comm_bytes"}
+
+
+def check(result: Result) -> dict[str, Any]:
+    """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none."""
+    out: dict[str, Any] = {"cell": result.cell.label, "run_id": result.run_id}
+    try:
+        prediction = costmodel.predict(costmodel.cell_of(result.cell.recipe, result.facts))
+    except (KeyError, ValueError) as error:
+        return {**out, "why": f"not modelled: {error.args[0]}"}
+    measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
+    return {**out, "rows": costmodel.compare(prediction, measured)}
+
+
+def checks(results: list[Result]) -> list[dict[str, Any]]:
+    return [check(r) for r in results if r.ok and r.cell.recipe]
+
+
+def markdown(checked: list[dict[str, Any]]) -> str:
+    lines = ["# Counted against modelled, per cell (busiest rank)", "",
+             "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costmodel.BOUNDS.items()) +
+             ". The model: repro/costmodel.py; what it says at paper scale: `repro predict`.", "",
+             "| cell | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|"]
+    for cell in checked:
+        if "why" in cell:
+            lines.append(f"| {cell['cell']} | | | | | {cell['why']} |")
+            continue
+        for row in cell["rows"]:
+            verdict = {True: "yes", False: "**no**", None: "not counted" if row["measured"] is None else "not modelled"}
+            error = "" if row["error"] is None else f"{row['error']:.2%}"
+            lines.append(f"| {cell['cell']} | {row['quantity']} | {fmt(row['measured'])} | {fmt(row['modelled'])} | "
+                         f"{error} | {verdict[row['within']]} |")
+    return "\n".join(lines) + "\n"
+
+
+def fmt(value: float | None) -> str:
+    return "" if value is None else f"{int(value):,}"
+
+
+def write(folder: Path, results: list[Result], uri: str | None = None) -> list[Path]:
+    """Write the report and, with `uri`, log each cell's modelled figures and errors on its run."""
+    checked = checks(results)
+    (folder / "model_check.md").write_text(markdown(checked))
+    (folder / "model_check.json").write_text(json.dumps(checked, indent=2))
+    if uri:
+        log(uri, checked)
+    return [folder / "model_check.md", folder / "model_check.json"]
+
+
+def log(uri: str, checked: list[dict[str, Any]]) -> None:
+    from repro import tracking
+
+    for cell in checked:
+        values = {}
+        for row in cell.get("rows", []):
+            if row["modelled"] is not None:
+                values[events.MODEL_CHECK.format(row["quantity"], "bytes")] = row["modelled"]
+            if row["error"] is not None:
+                values[events.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
+        if values:
+            tracking.Run.connect(uri, cell["run_id"]).log_values(values)

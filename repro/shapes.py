@@ -1,0 +1,179 @@
+"""The workloads' shapes without torch: each layer's parameter tensors (element counts, in the order
+`nn.Module.parameters()` yields them) and what each layer saves for backward, from the model section
+of a recipe. `repro.costmodel` works from these, so `repro predict` and the pre-launch check need no
+torch; `tests/test_costmodel.py` checks them against the built modules (repro.workloads), element for
+element. (They live outside repro/workloads/ because that package's modules build torch modules and
+import torch on import.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GPT2_VOCAB = {"bytes": 256, "gpt2": 50257}  # repro.workloads.gpt2.TOKENIZER_VOCAB
+# VGG-16, configuration D (Simonyan & Zisserman 2015, Table 1): output channels of each 3x3 convolution,
+# "M" a 2x2 max-pool (torchvision.models.vgg.cfgs["D"])
+VGG16_D = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+VGG16_CLASSES = {"imagenet": 1000, "digits": 10, "synthetic": 1000}  # repro.workloads.vgg16.NUM_CLASSES
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class GPT2Shape:
+    n_layer: int
+    d_model: int
+    n_head: int
+    seq_len: int
+    vocab: int
+    dropout: float = 0.0
+
+    @classmethod
+    def from_model(cls, model: Any) -> "GPT2Shape":
+        """From a recipe's model section: its spec object or the raw mapping of a recipe file."""
+        get = model.get if isinstance(model, dict) else lambda key, default=None: getattr(model, key, default)
+        return cls(get("n_layer", 24), get("d_model", 1024), get("n_head", 16), get("seq_len", 1024),
+                   GPT2_VOCAB[get("tokenizer", "gpt2")], get("dropout", 0.1))
+
+    def runs(self) -> list[tuple[list[int], int]]:
+        """(a layer's parameter tensors' element counts, how many such layers follow): the embedding, the
+        blocks, the head (its weight is the embedding's and belongs to the embedding)."""
+        d = self.d_model
+        block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+        return [([self.vocab * d, self.seq_len * d], 1), (block, self.n_layer), ([d, d], 1)]
+
+    def layer_tensors(self) -> list[list[int]]:
+        """Element counts of each layer's own parameters, layer by layer."""
+        return [layer for layer, repeat in self.runs() for _ in range(repeat)]
+
+    def tied_elements(self) -> int:
+        """The head's weight, shared with the token embedding (a copy where a pipeline unties it)."""
+        return self.vocab * self.d_model
+
+    def activation_bytes(self, batch: int, element: int = 4, mask: int = 1) -> int:
+        """The whole model's `layer_activations`, summed in closed form."""
+        embedding, block, head = (self.layer_activations(batch, element, mask, layers=1)[i] for i in (0, 1, 2))
+        return embedding + self.n_layer * block + head
+
+    def layer_activations(self, batch: int, element: int = 4, mask: int = 1, layers: int | None = None) -> list[int]:
+        """Bytes each layer saves for backward at `batch` sequences (docs/memory.md, "One GPT-2 block,
+        by hand"): a block with its input 16 N d + (4 + h) N elements, N = batch x seq_len tokens; the
+        embedding its token ids and positions (int64); the head its layer norm's input and statistics, the
+        projection's input and the loss's log-softmax (fp32: the loss upcasts), targets and total weight.
+        With dropout, each nn.Dropout saves a mask of `mask` bytes per element of its input (the embedding's, and two per block:
+        after attention and after the MLP; attention's own dropout is inside SDPA and not modelled): the
+        smoke recipes have none, so this term is unchecked."""
+        n, d = batch * self.seq_len, self.d_model
+        masked = mask * n * d if self.dropout else 0
+        block = element * (16 * n * d + (4 + self.n_head) * n) + 2 * masked
+        head = element * (2 * n * d + 2 * n) + 4 * n * self.vocab + INT64 * n + 4
+        embedding = INT64 * (n + self.seq_len) + masked
+        return [embedding, *([block] * (self.n_layer if layers is None else layers)), head]
+
+    def boundary_elements(self, batch: int) -> int:
+        """Elements of the tensor handed from one layer to the next (a pipeline's activation)."""
+        return batch * self.seq_len * self.d_model
+
+
+@dataclass(frozen=True)
+class VGG16Shape:
+    width_div: int
+    classifier_width: int
+    pool_size: int
+    image_size: int
+    classes: int
+    dropout: float = 0.0
+
+    @classmethod
+    def from_model(cls, model: Any, dataset: str) -> "VGG16Shape":
+        get = model.get if isinstance(model, dict) else lambda key, default=None: getattr(model, key, default)
+        return cls(get("width_div", 1), get("classifier_width", 4096), get("pool_size", 7), get("image_size", 224),
+                   VGG16_CLASSES[dataset], get("dropout", 0.5))
+
+    def widths(self) -> list[int | str]:
+        return [c if c == "M" else c // self.width_div for c in VGG16_D]
+
+    def runs(self) -> list[tuple[list[int], int]]:
+        return [(layer, 1) for layer in self.layer_tensors()]
+
+    def layer_tensors(self) -> list[list[int]]:
+        """Each layer of repro.workloads.vgg16.build_vgg16 in order: convolutions (3x3, with bias), ReLU,
+        max-pool, adaptive average pool, flatten, then linear, ReLU, dropout, linear, ReLU, dropout, linear."""
+        layers: list[list[int]] = []
+        channels = 3
+        for width in self.widths():
+            if width == "M":
+                layers.append([])
+            else:
+                layers += [[channels * width * 9, width], []]
+                channels = width
+        last, hidden = channels * self.pool_size**2, self.classifier_width
+        layers += [[], []]  # adaptive average pool, flatten
+        layers += [[last * hidden, hidden], [], [], [hidden * hidden, hidden], [], [], [hidden * self.classes, self.classes]]
+        return layers
+
+    def tied_elements(self) -> int:
+        return 0
+
+    def activation_bytes(self, batch: int, element: int = 4, mask: int = 1) -> int:
+        """Bytes saved for backward at `batch` images, at the end of the forward (PyTorch's autograd
+        formulas, tools/autograd/derivatives.yaml): each convolution its input; a ReLU its output, the same
+        storage the next layer saves (in place, or the only reference when out of place); a max-pool
+        its input (the ReLU's output) and int64 indices of its output; the average pool its input (not
+        to a 1x1 output, which torch computes as a mean that saves nothing), the first linear its output;
+        each linear its input; with dropout a mask of `mask` bytes per element and a new output per
+        dropout; the loss its fp32 log-softmax, int64 targets and one total weight. The image batch
+        itself is the first convolution's input."""
+        side, channels = self.image_size, 3
+        floats, indices = channels * side * side, 0  # per image
+        for width in self.widths():
+            if width == "M":
+                side //= 2
+                indices += channels * side * side
+                floats += channels * side * side  # the pool's output, the next layer's input
+            else:
+                channels = width
+                floats += channels * side * side  # the ReLU's output
+        if self.pool_size == 1:
+            floats -= channels * side * side  # the last pool's output: the mean saves nothing
+        hidden = self.classifier_width
+        floats += channels * self.pool_size**2 + 2 * hidden  # pooled features; two hidden layers
+        dropped = 2 * hidden if self.dropout else 0
+        floats += dropped  # each dropout's new output
+        return (batch * (element * floats + INT64 * indices + mask * dropped) + 4 * batch * self.classes + INT64 * batch + 4)
+
+
+def shape_of(workload: str, model: Any, dataset: str) -> GPT2Shape | VGG16Shape:
+    """The shape description of `workload` from its recipe's model section."""
+    if workload == "gpt2":
+        return GPT2Shape.from_model(model)
+    return VGG16Shape.from_model(model, dataset)
+
+
+def parameters(shape: GPT2Shape | VGG16Shape) -> int:
+    """Psi: the model's distinct parameter elements (closed form: a recipe may ask for 10^8 layers)."""
+    return sum(sum(layer) * repeat for layer, repeat in shape.runs())
+
+
+def tensor_count(shape: GPT2Shape | VGG16Shape) -> int:
+    return sum(len(layer) * repeat for layer, repeat in shape.runs())
+
+
+def tensors(shape: GPT2Shape | VGG16Shape) -> list[int]:
+    """Every distinct parameter tensor's element count, in `model.parameters()` order."""
+    return [numel for layer in shape.layer_tensors() for numel in layer]
+
+
+def tensor_at(shape: GPT2Shape | VGG16Shape, offset: int) -> tuple[int, int]:
+    """(first element, elements) of the parameter tensor holding element `offset` of the model's
+    parameters laid end to end in `model.parameters()` order; (offset, 0) past the end."""
+    start = 0
+    for layer, repeat in shape.runs():
+        size = sum(layer)
+        if offset < start + size * repeat:
+            start += (offset - start) // size * size if size else 0
+            for numel in layer:
+                if offset < start + numel:
+                    return start, numel
+                start += numel
+        start += size * repeat
+    return offset, 0
