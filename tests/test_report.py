@@ -190,3 +190,19 @@ def test_figures_are_written(report: Path) -> None:
     for name in ("epoch_time", "memory_peak", "memory_model_state", "val_vs_time", "val_vs_epoch"):
         image = imread(report / f"{name}.png")
         assert image.shape[0] > 300 and image.shape[1] > 500, name
+
+
+def test_hybrid_row_is_tp_within_a_node_and_dp_across_nodes():
+    from repro import table2
+
+    matrix = table2.load_matrix(rows=["megatron-intra", "megatron-hybrid"])
+    smoke = {(c.row, c.gpus): c for c in table2.expand(matrix, "smoke") if c.workload == "gpt2"}
+    assert smoke[("megatron-hybrid", 1)].skip == "not applicable: gpus (1) must be tp (2) x dp: 1 % 2 = 1"
+    assert smoke[("megatron-hybrid", 4)].recipe.options("megatron").tp == 2  # tp=2 x dp=2 on one node
+    assert smoke[("megatron-hybrid", 2)].recipe.fingerprint() == smoke[("megatron-intra", 2)].recipe.fingerprint()
+    paper = {c.gpus: c for c in table2.expand(matrix, "paper") if c.workload == "gpt2" and c.row == "megatron-hybrid"}
+    assert [g for g, c in paper.items() if c.recipe] == [4, 8, 16, 32, 64]
+    assert {c.recipe.options("megatron").tp for c in paper.values() if c.recipe} == {4}  # Lassen's 4 GPUs a node
+    assert (paper[64].recipe.run.nodes, paper[2].skip.startswith("not applicable")) == (16, True)
+    theta = [c for c in table2.expand(matrix, "paper", gpus_per_node=8) if c.row == "megatron-hybrid" and c.recipe]
+    assert {c.recipe.options("megatron").tp for c in theta} == {8}
