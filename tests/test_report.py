@@ -121,7 +121,7 @@ def test_failed_missing_and_skipped_cells_are_shown_not_fatal(report: Path) -> N
 
 
 def test_findings_follow_the_recorded_numbers(report: Path) -> None:
-    found = {f["key"]: f for f in json.loads((report / "findings.json").read_text())}
+    found = {f["key"]: f for f in json.loads((report / "findings.json").read_text())["findings"]}
     zero = found["zero_memory"]
     assert ("gpt2 2 GPUs: ZeRO model state memory 45% below DDP (with activations, estimated peak: 36%); epoch time "
             "x1.05 of DDP; they train differently (optimizer adam vs lamb, lr 0.001 vs 0.01)") in zero["evidence"]
@@ -216,7 +216,7 @@ def test_hybrid_row_is_tp_within_a_node_and_dp_across_nodes():
 
 
 def test_megatron_per_epoch_and_hybrid_findings_follow_the_recorded_numbers(report: Path) -> None:
-    found = {f["key"]: f for f in json.loads((report / "findings.json").read_text())}
+    found = {f["key"]: f for f in json.loads((report / "findings.json").read_text())["findings"]}
     megatron = found["megatron_statistical_efficiency"]  # better per epoch at 1 GPU, worse at 4
     assert megatron["verdict"] == "holds"
     assert ("gpt2 1 GPUs: megatron-intra per epoch 50, 25, 18 vs ddp 60, 30, 20: mean per-epoch gain +14.4%; epochs to "
@@ -252,3 +252,41 @@ def test_hybrid_without_timing_rests_on_memory_and_the_cost_models_predictions(r
             "a step; megatron-intra 576.00 MiB, ddp 256.00 MiB") in hybrid.evidence
     comm["megatron-hybrid"] = 5.0  # more than DDP's: the prediction clause turns the verdict
     assert {f.key: f for f in judge(results, cores=1, predict=predict)}["hybrid_best_at_scale"].verdict == "does not hold"
+
+
+def test_research_questions_are_answered_from_the_runs(report: Path) -> None:
+    """Each answer has 2-4 sentences, each with its evidence; altered runs give altered answers."""
+    from repro.report.answers import MEASURED, NOT_TESTABLE, PREDICTED, answer
+    from repro.report.collect import collect
+    from repro.report.findings import Prediction, Results
+
+    written = json.loads((report / "findings.json").read_text())["research_questions"]
+    assert [a["key"] for a in written] == ["RQ1", "RQ2", "RQ3", "RQ4", "RQ5"]
+    assert all(2 <= len(a["sentences"]) <= 4 for a in written)
+    assert {s["evidence"] for a in written for s in a["sentences"]} == {MEASURED, PREDICTED, NOT_TESTABLE}
+    text = {a["key"]: " ".join(s["text"] for s in a["sentences"]) for a in written}
+    assert "from the leanest: intra-layer 2.50 MiB (megatron-intra), inter-layer 4.10 MiB (torchgpipe), data 10.00 MiB" in text["RQ1"]
+    assert "ZeRO's model state per GPU is below DDP's by 45% at 2 GPUs" in text["RQ4"]
+    assert "the hybrid (tp=2 x dp=2) needs 5.00 MiB per GPU, rank 3 of 4" in text["RQ5"]
+    assert "prediction not available (no cost model connected" in text["RQ5"]
+    assert (report / "findings.md").read_text().startswith("# The paper's research questions, answered from these runs")
+
+    results = collect(cells(), f"sqlite:///{report.parent}/mlflow.db", "table2-test")
+    for r in results:  # altered runs: ZeRO partitions more, the hybrid is slow, DDP learns nothing
+        if r.ok and r.cell.row == "zero":
+            r.model_state_bytes /= 2
+        if r.ok and r.cell.row == "megatron-hybrid":
+            r.repeat_epoch_s, r.activation_bytes = [9.5], 0.05 * MIB
+        if r.ok and r.cell.row == "ddp":
+            r.val = [200.0] * 3
+
+    def predict(workload: str, row: str, gpus: int) -> Prediction:
+        return Prediction(gpus * MIB, gpus * MIB / 2, "memory within 3% at smoke scale")
+
+    altered = {a.key: a for a in answer(Results(results, CORES, PARITY, predict), [8, 64])}
+    text = {key: " ".join(s.text for s in a.sentences) for key, a in altered.items()}
+    assert "below DDP's by 72% at 2 GPUs" in text["RQ4"]
+    assert "needs 4.05 MiB per GPU, rank 2 of 4" in text["RQ5"] and "ranks 4 of 4 (9.50s" in text["RQ5"]
+    assert "; data never within the recipe's epochs." in text["RQ1"]  # DDP never reaches it, ZeRO failed at 4
+    assert "zero 8.00 MiB at 8 -> 64.00 MiB at 64 (model error: memory within 3% at smoke scale)" in text["RQ4"]
+    assert altered["RQ4"].sentences[-1].evidence == PREDICTED

@@ -482,7 +482,7 @@ def judge(results: list[Result], path: Path | None = None, parity: list[dict[str
 
 
 def markdown(findings: list[Finding]) -> str:
-    lines = ["# The paper's findings on this machine", "",
+    lines = ["# The paper's findings on this machine: the evidence", "",
              "Each finding is judged only where the runs can show what it needs (configs/findings.yaml).", ""]
     for number, f in enumerate(findings, 1):
         lines += [f"## {number}. {f.key}: **{f.verdict}**", "", f"> {f.paper}", "",
