@@ -240,13 +240,17 @@ def rq5(res: Results, paper_gpus: list[int]) -> list[Sentence]:
         tp = hybrid.cell.recipe.options("megatron").tp
         memory = {row: res.memory(r)[0] for row, r in cells.items() if res.memory(r)[0]}
         order = sorted(memory, key=memory.get)
-        out.append(Sentence(f"On {w} at {g} GPUs, the hybrid (tp={tp} x dp={g // tp}) needs {mib(memory['megatron-hybrid'])} "
-                            f"per GPU, rank {order.index('megatron-hybrid') + 1} of {len(order)} from the leanest "
-                            f"({order[0]} {mib(memory[order[0]])}, most {order[-1]} {mib(memory[order[-1]])}).", MEASURED))
+        if "megatron-hybrid" not in order:
+            out.append(Sentence(f"The hybrid's memory at {g} GPUs: {res.activation_reason([hybrid])}.", NOT_TESTABLE))
+        else:
+            out.append(Sentence(f"On {w} at {g} GPUs, the hybrid (tp={tp} x dp={g // tp}) needs {mib(memory['megatron-hybrid'])} "
+                                f"per GPU, rank {order.index('megatron-hybrid') + 1} of {len(order)} from the leanest "
+                                f"({order[0]} {mib(memory[order[0]])}, most {order[-1]} {mib(memory[order[-1]])}).",
+                                MEASURED))
         why_not = res.timed(list(cells.values()))
         if why_not:
             out.append(Sentence(f"Its speed against the others at {g} GPUs: {why_not}.", NOT_TESTABLE))
-        else:
+        elif len(cells) > 1:
             speed = sorted(cells, key=lambda row: cells[row].epoch_time)
             rival = next(row for row in speed if row != "megatron-hybrid")
             out.append(Sentence(f"Per epoch at {g} GPUs the hybrid ranks {speed.index('megatron-hybrid') + 1} of "

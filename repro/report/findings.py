@@ -413,8 +413,12 @@ def hybrid_best_at_scale(res: Results, t: dict[str, Any]) -> tuple[str, list[str
         hybrid = res.get(w, t["row"], g)
         others = {row: res.get(w, row, g) for row in t["against"] if res.get(w, row, g)}
         layout = f"tp={hybrid.cell.recipe.options('megatron').tp} x dp={g // hybrid.cell.recipe.options('megatron').tp}"
-        memory = {row: res.memory(r)[0] for row, r in {t["row"]: hybrid, **others}.items()}
-        data_parallel = [row for row in t["data_parallel"] if memory.get(row)]
+        memory = {row: res.memory(r)[0] for row, r in {t["row"]: hybrid, **others}.items() if res.memory(r)[0]}
+        if t["row"] not in memory:
+            verdicts.append(NOT_TESTABLE)
+            notes.append(f"{w} {g} GPUs: memory clause not testable here: {res.activation_reason([hybrid])}")
+            continue
+        data_parallel = [row for row in t["data_parallel"] if row in memory]
         leaner = all(memory[t["row"]] < memory[row] for row in data_parallel)
         verdicts.append(HOLDS if leaner and data_parallel else FAILS)
         notes.append(f"{w} {g} GPUs: {t['row']} ({layout}) {res.memory(hybrid)[1]} per GPU "
