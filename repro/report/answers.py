@@ -82,7 +82,10 @@ def timed_count(res: Results, w: str, rows: list[str]) -> int | None:
 
 def per_sample(r: Result) -> str:
     n = r.samples_to_target()
-    return f"not within {len(r.val)} epochs" if n is None else f"after {n:,} samples ({r.epochs_to_target()} epochs)"
+    if n is None:
+        return f"not within {len(r.val)} epochs"
+    epochs = r.epochs_to_target()
+    return f"after {n:,} samples ({epochs} epoch{'s' * (epochs != 1)})"
 
 
 def rq1(res: Results) -> list[Sentence]:
