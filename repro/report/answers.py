@@ -128,23 +128,22 @@ def rq2(res: Results, paper_gpus: list[int]) -> list[Sentence]:
         if falls:
             order = sorted(falls, key=lambda row: falls[row][0], reverse=True)
             show = lambda row: f"{row} x{falls[row][0]:.2f} ({falls[row][1]}->{falls[row][2]} GPUs)"
-            out.append(Sentence(f"On {w}, memory per GPU falls most for {show(order[0])} and least for "
-                                f"{show(order[-1])}.", MEASURED))
+            least = f" and least for {show(order[-1])}" if len(order) > 1 else ""
+            out.append(Sentence(f"On {w}, memory per GPU falls most for {show(order[0])}{least}.", MEASURED))
         top = timed_count(res, w, rows)
         speedups = {row: res.get(w, row, counts[0]).epoch_time / res.get(w, row, top).epoch_time
                     for row in rows if top and top > counts[0] and res.get(w, row, counts[0]) and res.get(w, row, top)}
         if speedups:
             order = sorted(speedups, key=speedups.get, reverse=True)
+            least = f" and least for {order[-1]} (x{speedups[order[-1]]:.2f})" if len(order) > 1 else ""
             out.append(Sentence(f"On {w} from {counts[0]} to {top} GPUs, an epoch speeds up most for {order[0]} "
-                                f"(x{speedups[order[0]]:.2f}) and least for {order[-1]} (x{speedups[order[-1]]:.2f}).",
-                                MEASURED))
+                                f"(x{speedups[order[0]]:.2f}){least}.", MEASURED))
         beyond = [g for g in counts if top is None or g > top]
         if beyond and w == res.workloads[-1]:
             reason = res.timed([r for row, r in res.at(w, beyond[-1]).items()])
             out.append(Sentence(f"Speed-up to {beyond[-1]} GPUs: {reason}.", NOT_TESTABLE))
-    out.append(prediction_sentence(res, "memory per GPU", paper_gpus, ("ddp", "zero", "megatron-intra", "torchgpipe"),
-                                   lambda p: p.memory_bytes))
-    return out[:4]
+    return out[:3] + [prediction_sentence(res, "memory per GPU", paper_gpus,  # the prediction keeps its place
+                                          ("ddp", "zero", "megatron-intra", "torchgpipe"), lambda p: p.memory_bytes)]
 
 
 def prediction_sentence(res: Results, what: str, paper_gpus: list[int], rows: tuple[str, ...],
@@ -226,8 +225,7 @@ def rq4(res: Results, paper_gpus: list[int]) -> list[Sentence]:
             out.append(Sentence(f"Its epoch time at {g} GPUs: {res.timed([z, d])}.", NOT_TESTABLE))
     if not out:
         out.append(Sentence("No ZeRO and DDP cells at 2 GPUs or more finished.", NOT_TESTABLE))
-    out.append(prediction_sentence(res, "memory per GPU", paper_gpus, ("ddp", "zero"), lambda p: p.memory_bytes))
-    return out[:4]
+    return out[:3] + [prediction_sentence(res, "memory per GPU", paper_gpus, ("ddp", "zero"), lambda p: p.memory_bytes)]
 
 
 def rq5(res: Results, paper_gpus: list[int]) -> list[Sentence]:
@@ -261,9 +259,8 @@ def rq5(res: Results, paper_gpus: list[int]) -> list[Sentence]:
                                 f"{cells[rival].epoch_time:.2f}s).", MEASURED))
     if not out:
         out.append(Sentence("No hybrid cell with data parallelism (dp > 1) finished.", NOT_TESTABLE))
-    out.append(prediction_sentence(res, "communication per GPU a step", paper_gpus,
-                                   ("megatron-hybrid", "megatron-intra", "ddp"), lambda p: p.comm_bytes))
-    return out[:4]
+    return out[:3] + [prediction_sentence(res, "communication per GPU a step", paper_gpus,
+                                          ("megatron-hybrid", "megatron-intra", "ddp"), lambda p: p.comm_bytes)]
 
 
 def answer(res: Results, paper_gpus: list[int] | None = None) -> list[Answer]:
