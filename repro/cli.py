@@ -247,8 +247,10 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
     if scale == "smoke" and not rows:  # the parity section: its report also feeds the findings
         from repro import parity as parity_module
 
-        found = parity_module.run_parity("gpt2", scale, uri, f"parity-{scale}", execute=not reports_only)
-        for path in parity_module.write(found, reports, "gpt2", parity_module.STEPS):
+        found = [row for model in ("gpt2", "vgg16")
+                 for row in parity_module.run_parity(model, scale, uri, f"parity-{scale}", execute=not reports_only)]
+        partings = parity_module.matrix_partings(uri, experiment, scale)
+        for path in parity_module.write(found, reports, parity_module.STEPS, partings):
             click.echo(str(path))
     for path in write_reports(cells, uri, experiment, reports, scale):
         click.echo(str(path))
@@ -270,7 +272,8 @@ def parity(model: str, scale: str, steps: int, configs: str | None, tracking_uri
     \b
     Same global batch, seed, data order and optimizer (Adam; SGD for LBANN) for all: DDP on 2 and
     4 GPUs, ZeRO 1/2/3, FSDP, Megatron tp=2 and tp=2 x dp=2, torchgpipe, PyTorch's pipeline
-    schedules, PipeDream with 1 stage (exact) and 2 (staleness, measured). Writes
+    schedules, PipeDream with 1 stage (exact) and 2 (staleness, measured); for vgg16 the
+    data-parallel frameworks and torchgpipe (Megatron targets transformers). Writes
     reports/parity.{md,json}: the largest per-step loss difference of each, the tolerance
     (fp32 on CPU: 1e-5) and pass or FAIL. Exit code 1 when any configuration fails.
 
@@ -289,7 +292,7 @@ def parity(model: str, scale: str, steps: int, configs: str | None, tracking_uri
         fail(f"unknown configuration {unknown[0]!r}; valid: {', '.join(valid)}")
     found = parity_module.run_parity(model, scale, tracking.tracking_uri(tracking_uri), experiment or f"parity-{scale}",
                                      steps, names, list(overrides))
-    for path in parity_module.write(found, reports, model, steps):
+    for path in parity_module.write(found, reports, steps):
         click.echo(str(path))
     broken = parity_module.failed(found)
     if broken:

@@ -27,7 +27,13 @@ from repro.schema import RecipeError
 
 GLOBAL_BATCH = 8  # every configuration below can split it (torchgpipe: 8 micro-batches of 1 on 2 GPUs)
 STEPS = 4
-SMALL = ("model.n_layer=2",)  # embedding, 2 blocks, head: enough layers for 2 pipeline stages x 2 per rank
+SMALL = {  # each workload's reduced model: still enough layers for 2 pipeline stages x 2 per rank
+    "gpt2": ("model.n_layer=2",),  # embedding, 2 blocks, head
+    "vgg16": ("model.width_div=16", "model.classifier_width=32"),  # all 16 layers, 4 to 32 channels
+}
+# VGG-16 has no transformer layers: Megatron does not apply, and the pipelines are compared through
+# torchgpipe (the paper's synchronous pipeline); every data-parallel framework is compared
+WORKLOAD_CONFIGS = {"gpt2": None, "vgg16": ("ddp-2", "ddp-4", "zero-1", "zero-2", "zero-3", "fsdp-2", "torchgpipe-2")}
 ADAM = {"name": "adam", "lr": 0.001, "weight_decay": 0.0}  # PyTorch's Adam for all; LBANN's own differs (docs/lbann.md)
 SGD = {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "momentum": 0.9}
 # largest per-step training-loss difference accepted, by (device type, precision). The GPU bands
@@ -74,6 +80,7 @@ class Row:
     tolerance: float | None = None
     losses: list[float] = field(default_factory=list)
     reference_losses: list[float] = field(default_factory=list)
+    workload: str = "gpt2"
 
 
 def recipe_for(config: Config, workload: str, scale: str, steps: int, extra: list[str]) -> Recipe:
@@ -81,7 +88,7 @@ def recipe_for(config: Config, workload: str, scale: str, steps: int, extra: lis
     optimizer = dict(config.optimizer)
     fields = [f"run.framework={config.framework}", f"run.gpus={config.gpus}", "run.nodes=1", "train.epochs=1",
               f"train.max_steps={steps}", f"data.max_train_samples={steps * GLOBAL_BATCH}",
-              f"data.max_val_samples={GLOBAL_BATCH}", *SMALL, *config.set]
+              f"data.max_val_samples={GLOBAL_BATCH}", *SMALL[workload], *config.set]
     for section in ("train", section_key(config.framework)):  # a framework section's optimizer wins
         fields += [f"{section}.optimizer.{key}={value}" for key, value in optimizer.items()]
     fields += list(extra)
@@ -148,7 +155,7 @@ def train(recipes: list[Recipe], uri: str, experiment: str, out: Callable[[str],
 
 def compare(config: Config, recipe: Recipe, losses: list[float] | None, reference: list[float] | None,
             steps: int) -> Row:
-    row = Row(config.name, config.framework, config.gpus, "", settings_text(recipe), steps)
+    row = Row(config.name, config.framework, config.gpus, "", settings_text(recipe), steps, workload=recipe.workload)
     if not losses or not reference or len(losses) < steps or len(reference) < steps:
         row.status = "no losses recorded: run failed"
         return row
@@ -163,19 +170,22 @@ def run_parity(workload: str, scale: str, uri: str, experiment: str, steps: int 
                names: list[str] | None = None, extra: list[str] = (), execute: bool = True,
                out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> list[Row]:
     """Train (unless `execute` is False) and compare every configuration; one Row each."""
+    names = names or WORKLOAD_CONFIGS.get(workload)
     configs = [c for c in CONFIGS if not names or c.name in names]
     rows, planned = [], []
     for config in configs:
         missing = registry.framework(config.framework).missing()
         if missing:
-            rows.append(Row(config.name, config.framework, config.gpus, f"unavailable here: missing {', '.join(missing)}"))
+            rows.append(Row(config.name, config.framework, config.gpus, f"unavailable here: missing {', '.join(missing)}",
+                            workload=workload))
             continue
         try:
             test = recipe_for(config, workload, scale, steps, list(extra))
             reference = recipe_for(Config("reference", "ddp", 1, optimizer=config.optimizer), workload, scale, steps,
                                    list(extra))
         except RecipeError as error:
-            rows.append(Row(config.name, config.framework, config.gpus, f"not applicable: {error.problem}"))
+            rows.append(Row(config.name, config.framework, config.gpus, f"not applicable: {error.problem}",
+                            workload=workload))
             continue
         planned.append((config, test, reference))
         rows.append(None)  # filled below, in CONFIGS order
@@ -195,29 +205,111 @@ def run_parity(workload: str, scale: str, uri: str, experiment: str, steps: int 
     return rows
 
 
-def markdown(rows: list[Row], workload: str, steps: int) -> str:
+@dataclass
+class Parting:
+    """Where a matrix run parts from another at equal settings, step by step over the recipe's epochs."""
+    workload: str
+    gpus: int
+    framework: str
+    reference: str
+    steps: int
+    first_step: int | None  # first step whose training losses differ at all (1-based; None: never)
+    first_diff: float | None  # their difference there
+    beyond_step: int | None  # first step where they differ by more than the tolerance
+    tolerance: float
+    max_diff: float
+    final_gap: float | None  # relative gap of the final validation metric
+    cause: str
+
+
+def parting(name: str, reference_name: str, losses: list[float], reference: list[float], val: float | None,
+            reference_val: float | None, tolerance: float, where: tuple[str, int]) -> Parting:
+    """The first step where two loss curves part and how: runs of equal settings whose first
+    difference is of rounding size (within the tolerance that one process and the framework share
+    in the parity table) and then grows have parted by rounding growth; a first difference already
+    above it is the frameworks' own arithmetic."""
+    diffs = [abs(a - b) for a, b in zip(losses, reference)]
+    first = next((i for i, d in enumerate(diffs) if d > 0), None)
+    beyond = next((i for i, d in enumerate(diffs) if d > tolerance), None)
+    gap = abs(val - reference_val) / abs(reference_val) if val is not None and reference_val else None
+    if first is None:
+        cause = "identical at every step: no gap to explain"
+    elif diffs[first] <= tolerance:
+        cause = (f"rounding growth: equal through step {first}, then {diffs[first]:.1e} (rounding size, "
+                 f"within {tolerance:.0e}), past {tolerance:.0e} at step "
+                 f"{'-' if beyond is None else beyond + 1}, largest {max(diffs):.1e}")
+    else:
+        cause = f"the frameworks: their first difference, at step {first + 1}, is already {diffs[first]:.1e}"
+    return Parting(where[0], where[1], name, reference_name, len(diffs), None if first is None else first + 1,
+                   None if first is None else diffs[first], None if beyond is None else beyond + 1, tolerance,
+                   max(diffs, default=0.0), gap, cause)
+
+
+def matrix_partings(uri: str, experiment: str, scale: str, workload: str = "vgg16", gpus: int = 4,
+                    rows: tuple[str, ...] = ("zero", "fsdp"), reference: str = "ddp") -> list[Parting]:
+    """The Table 2 matrix's runs of `rows` against `reference` at `gpus`, step by step over the recipe's
+    epochs, where they train with equal settings (VGG-16: the same Adam, lr and batch for all three)."""
+    from repro import table2
+    from repro.report import settings as run_settings
+    from repro.report.collect import collect, history
+    from repro.tracking import client
+
+    matrix = table2.load_matrix(rows=[reference, *rows])
+    cells = [c for c in table2.expand(matrix, scale) if c.workload == workload and c.gpus == gpus]
+    found = {r.cell.row: r for r in collect(cells, uri, experiment) if r.ok}
+    if reference not in found:
+        return []
+    mlflow_client, base = client(uri), found[reference]
+    base_losses = history(mlflow_client, base.run_id, events.TRAIN_LOSS)
+    out = []
+    for row in rows:
+        mine = found.get(row)
+        if mine is None or run_settings.differences(mine.settings, base.settings, run_settings.TRAINING):
+            continue
+        out.append(parting(row, reference, history(mlflow_client, mine.run_id, events.TRAIN_LOSS), base_losses,
+                           mine.final_metric, base.final_metric, TOLERANCE[("cpu", "fp32")], (workload, gpus)))
+    return out
+
+
+def markdown(rows: list[Row], steps: int, partings: list[Parting] = ()) -> str:
+    workloads = ", ".join(dict.fromkeys(r.workload for r in rows))
     lines = [
         "# Parity: every framework against one plain PyTorch process", "",
-        f"{workload}, {steps} steps, global batch {GLOBAL_BATCH}, the same seed, data order and optimizer as the "
-        "reference (one process). `max |loss diff|` is the largest per-step training-loss difference; "
+        f"{workloads}: {steps} steps, global batch {GLOBAL_BATCH}, the same seed, data order and optimizer as the "
+        "reference (one process), on each workload's reduced model (`SMALL` in repro/parity.py). "
+        "`max |loss diff|` is the largest per-step training-loss difference; "
         "`measured` rows differ by design (PipeDream's weight staleness across stages).", "",
-        "| configuration | framework | GPUs | settings | max \\|loss diff\\| | tolerance | verdict |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | configuration | framework | GPUs | settings | max \\|loss diff\\| | tolerance | verdict |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         diff = "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.2e}"
         tolerance = "-" if r.tolerance is None else f"{r.tolerance:.0e}"
-        lines.append(f"| {r.name} | {r.framework} | {r.gpus} | {r.settings or '-'} | {diff} | {tolerance} | {r.status} |")
+        lines.append(f"| {r.workload} | {r.name} | {r.framework} | {r.gpus} | {r.settings or '-'} | {diff} | {tolerance} "
+                     f"| {r.status} |")
+    if partings:
+        lines += ["", "## The matrix's runs at equal settings, step by step over the recipe's epochs", "",
+                  "Where the Table 2 runs of two frameworks train alike (same optimizer, lr, batch, seed and data "
+                  "order), the step where their training losses first differ, and by how much; a first difference "
+                  "of rounding size that then grows is rounding growth, not the frameworks.", "",
+                  "| workload | GPUs | framework | against | steps | first differing step | difference there | "
+                  "past tolerance at | largest | final metric gap | cause |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for p in partings:
+            show = lambda v, f: "-" if v is None else format(v, f)
+            lines.append(f"| {p.workload} | {p.gpus} | {p.framework} | {p.reference} | {p.steps} | {show(p.first_step, 'd')} "
+                         f"| {show(p.first_diff, '.1e')} | {show(p.beyond_step, 'd')} | {p.max_diff:.1e} "
+                         f"| {show(p.final_gap, '.1%')} | {p.cause} |")
     return "\n".join(lines) + "\n"
 
 
-def write(rows: list[Row], folder: Path, workload: str, steps: int) -> list[Path]:
+def write(rows: list[Row], folder: Path, steps: int, partings: list[Parting] = ()) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     md, js = folder / "parity.md", folder / "parity.json"
-    md.write_text(markdown(rows, workload, steps))
-    js.write_text(json.dumps({"workload": workload, "steps": steps, "global_batch": GLOBAL_BATCH,
+    md.write_text(markdown(rows, steps, partings))
+    js.write_text(json.dumps({"workloads": list(dict.fromkeys(r.workload for r in rows)), "steps": steps,
+                              "global_batch": GLOBAL_BATCH,
                               "tolerances": {f"{d}/{p}": t for (d, p), t in TOLERANCE.items()},
-                              "rows": [asdict(r) for r in rows]}, indent=2))
+                              "rows": [asdict(r) for r in rows], "partings": [asdict(p) for p in partings]}, indent=2))
     return [md, js]
 
 

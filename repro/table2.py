@@ -41,6 +41,7 @@ class ScalePlan:
     gpus: list[int]
     gpus_per_node: int
     workloads: list[str]
+    tp_per_node: int | None = None  # the hybrid's tensor-parallel size, `{tp_per_node}`: GPUs per node unless set
 
 
 @dataclass
@@ -68,7 +69,10 @@ def load_matrix(path: Path | None = None, rows: list[str] | None = None) -> Matr
     return matrix
 
 
-def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int, extra: list[str]) -> Cell:
+def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int, extra: list[str],
+             tp_per_node: int | None = None) -> Cell:
+    """The cell's recipe: the row's `set` with `{gpus}` and `{tp_per_node}` (GPUs per node unless given)
+    filled in; a recipe the framework rejects (tp=2 on 1 GPU) makes the cell not applicable, with why."""
     cell = Cell(workload, row.name, row.framework, gpus)
     missing = registry.framework(row.framework).missing()
     if missing:
@@ -76,7 +80,7 @@ def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int,
         return cell
     nodes = math.ceil(gpus / gpus_per_node)
     fields = [f"run.framework={row.framework}", f"run.gpus={gpus}", f"run.nodes={nodes}"]
-    cell.overrides = [text.format(gpus=gpus) for text in row.set] + list(extra)
+    cell.overrides = [text.format(gpus=gpus, tp_per_node=tp_per_node or gpus_per_node) for text in row.set] + list(extra)
     fields += cell.overrides
     try:
         cell.recipe = load_file(recipe_path(workload, scale), fields)
@@ -102,10 +106,11 @@ def expand(
     megatron-intra and megatron-data at 1 GPU, share one run)."""
     plan = matrix.scales[scale]
     per_node = gpus_per_node or plan.gpus_per_node
+    tp_per_node = None if gpus_per_node else plan.tp_per_node  # a node size given here sets the hybrid's tp
     return [
         repeat
         for workload in plan.workloads for row in matrix.rows for gpus in plan.gpus
-        for repeat in repeated(cell_for(workload, row, gpus, scale, per_node, list(extra)), repeats)
+        for repeat in repeated(cell_for(workload, row, gpus, scale, per_node, list(extra), tp_per_node), repeats)
     ]
 
 

@@ -67,3 +67,28 @@ def test_parity_fails_when_gradients_are_not_averaged(repro, tmp_path: Path):
     assert row["losses"][0] == pytest.approx(row["reference_losses"][0], abs=1e-5)
     assert row["max_abs_diff"] > 1e-3  # each rank stepped with half the batch's gradient
     assert "| ddp-2 | ddp | 2 |" in (tmp_path / "reports" / "parity.md").read_text()
+
+
+def test_vgg16_parity_has_its_own_reduced_model_and_no_megatron():
+    from repro.parity import WORKLOAD_CONFIGS
+
+    recipe = recipe_for(Config("ddp-4", "ddp", 4), "vgg16", "smoke", 4, [])
+    assert (recipe.model.width_div, recipe.model.classifier_width, recipe.train.batch_per_gpu) == (16, 32, 2)
+    assert recipe.optimizer().name == "adam" and recipe.data.max_train_samples == 4 * GLOBAL_BATCH
+    assert recipe_for(Config("gpipe", "torchgpipe", 2), "vgg16", "smoke", 4, []).train.batch_per_gpu == 1
+    assert not any(name.startswith("megatron") for name in WORKLOAD_CONFIGS["vgg16"])
+
+
+def test_parting_tells_rounding_growth_from_the_frameworks():
+    from repro.parity import parting
+
+    reference = [2.30, 2.20, 2.10, 2.00, 1.90]
+    rounding = parting("zero", "ddp", [2.30, 2.20 + 2e-7, 2.10 + 3e-6, 2.00 + 4e-4, 1.95], reference, 0.50, 0.45,
+                       1e-5, ("vgg16", 4))
+    assert (rounding.first_step, rounding.beyond_step, rounding.steps) == (2, 4, 5)
+    assert rounding.first_diff == pytest.approx(2e-7) and rounding.max_diff == pytest.approx(0.05)
+    assert rounding.final_gap == pytest.approx(0.05 / 0.45) and rounding.cause.startswith("rounding growth")
+    broken = parting("fsdp", "ddp", [2.30, 2.25, 2.10, 2.00, 1.90], reference, 0.45, 0.45, 1e-5, ("vgg16", 4))
+    assert broken.first_step == 2 and broken.cause.startswith("the frameworks: their first difference, at step 2")
+    same = parting("fsdp", "ddp", reference, reference, 0.45, 0.45, 1e-5, ("vgg16", 4))
+    assert same.first_step is None and same.cause.startswith("identical")

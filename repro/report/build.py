@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from repro.hardware import PAPER_PLATFORMS, this_platform
-from repro.report import figures, findings, model_check, tables
+from repro.report import answers, figures, findings, model_check, tables
 from repro.report.collect import Result, collect
 from repro.cell import Cell
 
@@ -14,9 +14,10 @@ REPORT_RUN = "table2-report"
 
 
 def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str,
-                  cores: int | None = None) -> list[Path]:
+                  cores: int | None = None, predict: findings.Predictor | None = None) -> list[Path]:
     """Every report file; the findings also read the parity report already in `folder`, if any.
-    `cores`: the machine's (default), which decides whether epoch times can be compared."""
+    `cores`: the machine's (default), which decides whether epoch times can be compared; `predict`:
+    the cost model at paper scale (none: the answers and findings say predictions are not available)."""
     folder.mkdir(parents=True, exist_ok=True)
     results = collect(cells, uri, experiment)
     nodes = max((r.cell.recipe.run.nodes for r in results if r.ok), default=1)
@@ -24,9 +25,12 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     paths += tables.write_all(folder, "results", tables.result_rows(results), tables.RESULT_COLUMNS)
     paths += figures.all_figures(results, folder)
     paths += model_check.write(folder, results, uri)
-    verdicts = findings.judge(results, parity=read_parity(folder), cores=cores)
-    (folder / "findings.md").write_text(findings.markdown(verdicts))
-    (folder / "findings.json").write_text(json.dumps([asdict(f) for f in verdicts], indent=2))
+    parity, cores = read_parity(folder), cores or findings.available_cores()
+    verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict)
+    answered = answers.answer(findings.Results(results, cores, parity, predict))
+    (folder / "findings.md").write_text(answers.markdown(answered) + "\n" + findings.markdown(verdicts))
+    (folder / "findings.json").write_text(json.dumps({"research_questions": [asdict(a) for a in answered],
+                                                      "findings": [asdict(f) for f in verdicts]}, indent=2))
     paths += [folder / "findings.md", folder / "findings.json"]
     paths += [path for path in (folder / "parity.md", folder / "parity.json") if path.is_file()]
     log_report_run(uri, experiment, scale, paths, results)

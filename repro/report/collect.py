@@ -72,6 +72,26 @@ class Result:
     def final_metric(self) -> float | None:
         return self.val[-1] if self.val else None
 
+    @property
+    def samples_per_epoch(self) -> int | None:
+        """Training samples in one epoch (an epoch's throughput is its samples over its time)."""
+        return round(self.throughput[0] * self.epoch_s[0]) if self.throughput and self.epoch_s else None
+
+    def epochs_to_target(self) -> int | None:
+        """Epochs until the validation metric first reaches the target: statistical efficiency per
+        sample, which the hardware does not change."""
+        if self.target is None:
+            return None
+        higher = METRIC[self.cell.workload][1]
+        for epoch, value in enumerate(self.val, 1):
+            if (value >= self.target) if higher else (value <= self.target):
+                return epoch
+        return None
+
+    def samples_to_target(self) -> int | None:
+        epochs = self.epochs_to_target()
+        return None if epochs is None or self.samples_per_epoch is None else epochs * self.samples_per_epoch
+
     def time_to_target(self) -> float | None:
         """Training wall-clock (validation excluded) until the validation metric first reaches the target."""
         if self.target is None:

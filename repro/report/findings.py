@@ -39,14 +39,28 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+@dataclass
+class Prediction:
+    """A cost model's figures for one paper-scale cell (the modelling issue's model), with its error
+    where checked against this machine's measurements at smoke scale."""
+    memory_bytes: float | None  # per GPU
+    comm_bytes: float | None  # sent per GPU per training step
+    error: str  # e.g. "memory within 4% of the smoke measurements (reports/model_check.md)"
+
+
+Predictor = Callable[[str, str, int], "Prediction | None"]  # (workload, matrix row, GPUs) at paper scale
+
+
 class Results:
     """Index of the successful results, (workload, row, gpus) -> Result, and what they can show."""
 
-    def __init__(self, results: list[Result], cores: int, parity: list[dict[str, Any]] | None = None):
+    def __init__(self, results: list[Result], cores: int, parity: list[dict[str, Any]] | None = None,
+                 predict: Predictor | None = None):
         self.ok = {(r.cell.workload, r.cell.row, r.cell.gpus): r for r in results if r.ok}
         self.workloads = sorted({w for w, _, _ in self.ok})
         self.cores = cores
         self.parity = parity or []
+        self.predict = predict
 
     def get(self, workload: str, row: str, gpus: int) -> Result | None:
         return self.ok.get((workload, row, gpus))
@@ -92,17 +106,6 @@ def better(workload: str, a: float, b: float) -> bool:
     return a > b if METRIC[workload][1] else a < b
 
 
-def epochs_to_target(result: Result) -> int | None:
-    """Epochs (samples seen, in epochs) until the validation metric first reaches the target."""
-    if result.target is None:
-        return None
-    higher = METRIC[result.cell.workload][1]
-    for epoch, value in enumerate(result.val, 1):
-        if (value >= result.target) if higher else (value <= result.target):
-            return epoch
-    return None
-
-
 def untimed(res: Results, cells: list[Result]) -> str | None:
     """Why the epoch times of these cells cannot be compared: not testable on this machine, or (two
     repeated cells) their intervals overlap; None when they can."""
@@ -140,6 +143,9 @@ def data_parallel_curves(res: Results, t: dict[str, Any]) -> tuple[str, list[str
                 curves.append(HOLDS if gap <= t["max_relative_gap"] else FAILS)
                 notes.append(f"{w} at {gpus} GPUs: per-epoch curves of {a} and {b} (equal settings) at most "
                              f"{gap:.1%} apart (limit {t['max_relative_gap']:.0%})")
+        verdict, note = fewest_samples(cells, t["rows"])
+        timing += [verdict] if verdict else []
+        notes.append(f"{w} at {gpus} GPUs: {note}")
         why_not = res.timed(list(cells.values()))
         if why_not:
             notes.append(f"{w} at {gpus} GPUs: the wall-clock clause is not testable here: {why_not}")
@@ -154,6 +160,19 @@ def data_parallel_curves(res: Results, t: dict[str, Any]) -> tuple[str, list[str
         curves.append(verdict)
         notes.append(note)
     return combine(curves + timing), notes
+
+
+def fewest_samples(cells: dict[str, Result], rows: list[str]) -> tuple[str | None, str]:
+    """Statistical efficiency per sample: the rows that reach the target after the fewest training
+    samples (hardware does not change it); a verdict on whether one of `rows` is among them."""
+    reached = {row: r.samples_to_target() for row, r in cells.items() if r.samples_to_target() is not None}
+    if not reached:
+        return None, "no row reaches the target: samples to target undefined"
+    fewest = min(reached.values())
+    best = sorted(row for row, n in reached.items() if n == fewest)
+    others = ", ".join(f"{row} {n:,}" for row, n in sorted(reached.items(), key=lambda item: item[1]) if row not in best)
+    return (HOLDS if set(best) & set(rows) else FAILS), (
+        f"fewest samples to the target: {', '.join(best)} ({fewest:,})" + (f"; then {others}" if others else ""))
 
 
 def parity_curves(res: Results, t: dict[str, Any]) -> tuple[str, str]:
@@ -240,10 +259,10 @@ def pipedream_slower(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
         gpus = counts[-1]
         cells = res.at(w, gpus)
         mine = cells.pop("pipedream")
-        reached = {row: epochs_to_target(r) for row, r in cells.items() if epochs_to_target(r) is not None}
+        reached = {row: r.epochs_to_target() for row, r in cells.items() if r.epochs_to_target() is not None}
         if reached:
             best = min(reached, key=reached.get)
-            own = epochs_to_target(mine)
+            own = mine.epochs_to_target()
             slower = own is None or own >= t["slower_factor"] * reached[best]
             own_text = "never" if own is None else f"after {own} epochs"
             note = f"{w} at {gpus} GPUs: PipeDream reaches the target {own_text}, best other {best} after {reached[best]}"
@@ -346,6 +365,120 @@ def pipeline_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
     return combine(verdicts), notes
 
 
+def per_epoch_gain(workload: str, a: Result, b: Result) -> float:
+    """Mean over the epochs of a's validation metric's relative gain over b's (positive: a is better)."""
+    sign = 1 if METRIC[workload][1] else -1
+    gains = [sign * (x - y) / abs(y) for x, y in zip(a.val, b.val)]
+    return sum(gains) / len(gains)
+
+
+def curve(result: Result) -> str:
+    return ", ".join(f"{v:.4g}" for v in result.val)
+
+
+def parity_row(res: Results, framework: str) -> dict[str, Any] | None:
+    """The parity report's exact row of `framework` that ran (equal settings to one process), if any."""
+    rows = [p for p in res.parity if p["framework"] == framework and p["max_abs_diff"] is not None
+            and p["status"] in ("pass", "FAIL")]
+    return max(rows, key=lambda p: p["gpus"]) if rows else None
+
+
+def megatron_statistical_efficiency(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
+    """Per epoch, Megatron-intra against DDP at the lowest and highest GPU counts both ran at."""
+    verdicts, notes = [], []
+    row, other = t["row"], t["against"]
+    for w in res.workloads:
+        counts = [g for g in res.gpus(w, row) if res.get(w, other, g)]
+        if len(counts) < 2:
+            continue
+        gains = {}
+        for g in (counts[0], counts[-1]):
+            mine, theirs = res.get(w, row, g), res.get(w, other, g)
+            gains[g] = per_epoch_gain(w, mine, theirs)
+            notes.append(f"{w} {g} GPUs: {row} per epoch {curve(mine)} vs {other} {curve(theirs)}: mean per-epoch "
+                         f"gain {gains[g]:+.1%}; epochs to target {mine.epochs_to_target() or 'never'} vs "
+                         f"{theirs.epochs_to_target() or 'never'}; effective batch "
+                         f"{mine.settings.get('global_batch', '?')} vs {theirs.settings.get('global_batch', '?')}")
+        low, high = gains[counts[0]], gains[counts[-1]]
+        verdicts.append(HOLDS if low >= t["min_gain"] and high < t["min_gain"] and high < low else FAILS)
+        notes.append(f"{w}: gain {low:+.1%} at {counts[0]} GPUs, {high:+.1%} at {counts[-1]} (better per epoch: "
+                     f"at least {t['min_gain']:+.0%})")
+        notes.append(f"{w}: " + attribution(res, res.get(w, row, counts[0]), res.get(w, other, counts[0])))
+    return combine(verdicts), notes
+
+
+def attribution(res: Results, mine: Result, theirs: Result) -> str:
+    """What a curve gap between two rows can be put down to: their settings, or the framework."""
+    differ = run_settings.differences(mine.settings, theirs.settings, run_settings.TRAINING)
+    if not differ:
+        return "equal settings: the gap is the frameworks'"
+    text = (f"they train differently ({', '.join(differ)}, the paper's per-framework policy): the gap cannot be "
+            f"put on the framework alone")
+    parity = parity_row(res, mine.cell.framework)
+    if parity:
+        text += (f"; at equal settings the parity report trains {parity['name']} like one process (largest "
+                 f"per-step loss difference {parity['max_abs_diff']:.1e}, {parity['status']}), so the framework's "
+                 f"arithmetic is the reference's and the gap is its settings'")
+    return text
+
+
+def hybrid_best_at_scale(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
+    """At the highest GPU count with a hybrid cell (tp x dp, dp > 1): epoch time where testable, memory
+    per GPU measured here, communication per GPU and the paper scale from the cost model where given."""
+    verdicts, notes = [], []
+    for w in res.workloads:
+        counts = [g for g in res.gpus(w, t["row"]) if res.get(w, t["row"], g).cell.recipe.options("megatron").tp < g]
+        if not counts:
+            continue
+        g = counts[-1]
+        hybrid = res.get(w, t["row"], g)
+        others = {row: res.get(w, row, g) for row in t["against"] if res.get(w, row, g)}
+        layout = f"tp={hybrid.cell.recipe.options('megatron').tp} x dp={g // hybrid.cell.recipe.options('megatron').tp}"
+        memory = {row: res.memory(r)[0] for row, r in {t["row"]: hybrid, **others}.items() if res.memory(r)[0]}
+        if t["row"] not in memory:
+            verdicts.append(NOT_TESTABLE)
+            notes.append(f"{w} {g} GPUs: memory clause not testable here: {res.activation_reason([hybrid])}")
+            continue
+        data_parallel = [row for row in t["data_parallel"] if row in memory]
+        leaner = all(memory[t["row"]] < memory[row] for row in data_parallel)
+        verdicts.append(HOLDS if leaner and data_parallel else FAILS)
+        notes.append(f"{w} {g} GPUs: {t['row']} ({layout}) {res.memory(hybrid)[1]} per GPU "
+                     f"{mib(memory[t['row']])}; " + ", ".join(f"{row} {mib(m)}" for row, m in memory.items() if row != t["row"])
+                     + f" ({'below' if leaner else 'not below'} every data-parallel row)")
+        why_not = untimed(res, [hybrid, *others.values()])
+        if why_not:
+            notes.append(f"{w} {g} GPUs: timing clause {why_not}; the verdict rests on memory and communication")
+        else:
+            fastest = min(others, key=lambda row: others[row].epoch_time)
+            quicker = hybrid.epoch_time <= others[fastest].epoch_time
+            verdicts.append(HOLDS if quicker else FAILS)
+            notes.append(f"{w} {g} GPUs: epoch time {t['row']} {hybrid.epoch_time:.2f}s, fastest other {fastest} "
+                         f"{others[fastest].epoch_time:.2f}s")
+        verdicts += predicted_hybrid(res, w, t, notes)
+    return combine(verdicts), notes
+
+
+def predicted_hybrid(res: Results, w: str, t: dict[str, Any], notes: list[str]) -> list[str]:
+    """The cost model's per-GPU communication and memory of the hybrid against Megatron-intra and DDP at
+    the paper's GPU counts (marked as predictions), or why there are none."""
+    if res.predict is None:
+        notes.append(f"{w}: communication per GPU and the paper's GPU counts: no cost model connected "
+                     "(predictions not available)")
+        return []
+    verdicts = []
+    for g in t["paper_gpus"]:
+        figures = {row: res.predict(w, row, g) for row in (t["row"], *t["against"])}
+        figures = {row: p for row, p in figures.items() if p and p.comm_bytes is not None}
+        if t["row"] not in figures or len(figures) < 2:
+            continue
+        mine = figures.pop(t["row"])
+        less = all(mine.comm_bytes < p.comm_bytes for row, p in figures.items() if row in t["data_parallel"] or row == "megatron-intra")
+        verdicts.append(HOLDS if less else FAILS)
+        notes.append(f"{w} {g} GPUs (predicted, {mine.error}): {t['row']} sends {mib(mine.comm_bytes)} per GPU a step; "
+                     + ", ".join(f"{row} {mib(p.comm_bytes)}" for row, p in figures.items()))
+    return verdicts
+
+
 CHECKS: dict[str, Callable[[Results, dict[str, Any]], tuple[str, list[str]]]] = {
     "data_parallel_curves": data_parallel_curves,
     "zero_memory": zero_memory,
@@ -353,14 +486,17 @@ CHECKS: dict[str, Callable[[Results, dict[str, Any]], tuple[str, list[str]]]] = 
     "pipelines_slowest": pipelines_slowest,
     "megatron_u_shape": megatron_u_shape,
     "pipeline_memory": pipeline_memory,
+    "megatron_statistical_efficiency": megatron_statistical_efficiency,
+    "hybrid_best_at_scale": hybrid_best_at_scale,
 }
 
 
 def judge(results: list[Result], path: Path | None = None, parity: list[dict[str, Any]] | None = None,
-          cores: int | None = None) -> list[Finding]:
-    """Every finding's verdict; `parity`: the parity report's rows, `cores`: this machine's (default)."""
+          cores: int | None = None, predict: Predictor | None = None) -> list[Finding]:
+    """Every finding's verdict; `parity`: the parity report's rows, `cores`: this machine's (default),
+    `predict`: the cost model at paper scale (none: the findings say that predictions are not available)."""
     thresholds = yaml.safe_load((path or thresholds_path()).read_text())
-    indexed = Results(results, cores or available_cores(), parity)
+    indexed = Results(results, cores or available_cores(), parity, predict)
     findings = []
     for key, check in CHECKS.items():
         verdict, notes = check(indexed, thresholds[key])
@@ -371,7 +507,7 @@ def judge(results: list[Result], path: Path | None = None, parity: list[dict[str
 
 
 def markdown(findings: list[Finding]) -> str:
-    lines = ["# The paper's findings on this machine", "",
+    lines = ["# The paper's findings on this machine: the evidence", "",
              "Each finding is judged only where the runs can show what it needs (configs/findings.yaml).", ""]
     for number, f in enumerate(findings, 1):
         lines += [f"## {number}. {f.key}: **{f.verdict}**", "", f"> {f.paper}", "",
