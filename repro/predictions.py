@@ -47,14 +47,26 @@ def matrix_predictions(workload: str, scale: str = "paper") -> list[dict[str, An
     out = []
     for row in matrix.rows:
         for gpus in matrix.scales[scale].gpus:
-            sets = [text.format(gpus=gpus) for text in row.set]
-            try:
-                prediction = predict(workload, row.framework, gpus, scale, sets)
-            except (ValueError, ZeroDivisionError):
-                prediction = None
+            prediction = predict_row(workload, row.name, gpus, scale, matrix)
             if prediction is not None:
                 out.append({"row": row.name, "framework": row.framework, "gpus": gpus, "prediction": prediction})
     return out
+
+
+def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None) -> costmodel.Prediction | None:
+    """The model's prediction for a Table 2 row's cell at `scale` (None: not modelled, or the row's
+    settings do not split `gpus`, such as tp=4 on 2 GPUs); `matrix`: table2.yaml, loaded if not given."""
+    from repro.table2 import load_matrix
+
+    matrix = matrix or load_matrix()
+    plan = matrix.scales[scale]
+    row = {row.name: row for row in matrix.rows}.get(row_name)
+    if row is None:
+        return None
+    try:
+        return predict(workload, row.framework, gpus, scale, row.overrides(gpus, plan.tp_per_node or plan.gpus_per_node))
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 def zero_saving(workload: str, gpus: int, scale: str = "paper") -> tuple[float, float | None] | None:

@@ -35,6 +35,10 @@ class Row:
     framework: str
     set: list[str] = field(default_factory=list)
 
+    def overrides(self, gpus: int, tp_per_node: int) -> list[str]:
+        """The row's `set` with `{gpus}` and `{tp_per_node}` filled in."""
+        return [text.format(gpus=gpus, tp_per_node=tp_per_node) for text in self.set]
+
 
 @dataclass
 class ScalePlan:
@@ -80,7 +84,7 @@ def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int,
         return cell
     nodes = math.ceil(gpus / gpus_per_node)
     fields = [f"run.framework={row.framework}", f"run.gpus={gpus}", f"run.nodes={nodes}"]
-    cell.overrides = [text.format(gpus=gpus, tp_per_node=tp_per_node or gpus_per_node) for text in row.set] + list(extra)
+    cell.overrides = row.overrides(gpus, tp_per_node or gpus_per_node) + list(extra)
     fields += cell.overrides
     try:
         cell.recipe = load_file(recipe_path(workload, scale), fields)

@@ -17,14 +17,16 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
                   cores: int | None = None, predict: findings.Predictor | None = None) -> list[Path]:
     """Every report file; the findings also read the parity report already in `folder`, if any.
     `cores`: the machine's (default), which decides whether epoch times can be compared; `predict`:
-    the cost model at paper scale (none: the answers and findings say predictions are not available)."""
+    the cost model at paper scale (default: repro.predictions, quoted with the errors of this run's model check)."""
     folder.mkdir(parents=True, exist_ok=True)
     results = collect(cells, uri, experiment)
     nodes = max((r.cell.recipe.run.nodes for r in results if r.ok), default=1)
     paths = tables.write_all(folder, "table2_platforms", [*PAPER_PLATFORMS, this_platform(nodes)], tables.PLATFORM_COLUMNS)
     paths += tables.write_all(folder, "results", tables.result_rows(results), tables.RESULT_COLUMNS)
     paths += figures.all_figures(results, folder)
-    paths += model_check.write(folder, results, uri)
+    checked = model_check.checks(results)
+    paths += model_check.write(folder, checked, uri)
+    predict = predict or model_check.paper_predictor(checked)
     parity, cores = read_parity(folder), cores or findings.available_cores()
     verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict)
     answered = answers.answer(findings.Results(results, cores, parity, predict))

@@ -14,13 +14,14 @@ from typing import Any
 
 from repro import costmodel, events
 from repro.report.collect import Result
+from repro.report.findings import Prediction, Predictor
 
 QUANTITY_METRIC = {"model_state": "model_state_bytes", "activations": "activation_bytes", "comm": "comm_bytes"}
 
 
 def check(result: Result) -> dict[str, Any]:
     """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none."""
-    out: dict[str, Any] = {"cell": result.cell.label, "run_id": result.run_id}
+    out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
     try:
         prediction = costmodel.predict(costmodel.cell_of(result.cell.recipe, result.facts))
     except (KeyError, ValueError) as error:
@@ -50,13 +51,41 @@ def markdown(checked: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paper_predictor(checked: list[dict[str, Any]]) -> Predictor:
+    """The cost model at paper scale for the findings and answers: each cell's predicted memory per GPU
+    (model state + activations, where both are modelled) and payload per step, with the largest error
+    that the same framework's cells showed here against the counters."""
+    from repro.predictions import predict_row
+
+    def predicted(workload: str, row: str, gpus: int) -> Prediction | None:
+        prediction = predict_row(workload, row, gpus)
+        if prediction is None:
+            return None
+        return Prediction(prediction.estimated_peak, prediction.comm_bytes, checked_error(checked, row))
+
+    return predicted
+
+
+def checked_error(checked: list[dict[str, Any]], row: str) -> str:
+    """The largest error per quantity over this row's checked cells here, as the findings quote it."""
+    worst: dict[str, float] = {}
+    cells = [cell for cell in checked if cell["row"] == row and "rows" in cell]
+    for cell in cells:
+        for entry in cell["rows"]:
+            if entry["error"] is not None:
+                worst[entry["quantity"]] = max(worst.get(entry["quantity"], 0.0), entry["error"])
+    if not worst:
+        return f"no {row} cell checked against the counters here"
+    within = ", ".join(f"{quantity.replace('_', ' ')} within {error:.2%}" for quantity, error in worst.items())
+    return f"{within} over {len(cells)} counted smoke cells (reports/model_check.md)"
+
+
 def fmt(value: float | None) -> str:
     return "" if value is None else f"{int(value):,}"
 
 
-def write(folder: Path, results: list[Result], uri: str | None = None) -> list[Path]:
-    """Write the report and, with `uri`, log each cell's modelled figures and errors on its run."""
-    checked = checks(results)
+def write(folder: Path, checked: list[dict[str, Any]], uri: str | None = None) -> list[Path]:
+    """Write the report of `checks` and, with `uri`, log each cell's modelled figures and errors on its run."""
     (folder / "model_check.md").write_text(markdown(checked))
     (folder / "model_check.json").write_text(json.dumps(checked, indent=2))
     if uri:
