@@ -168,10 +168,9 @@ def prediction_sentence(res: Results, what: str, paper_gpus: list[int], rows: tu
 def rq3(res: Results) -> list[Sentence]:
     out = []
     for w in res.workloads:
-        counts = [g for g in res.gpus(w, "pipedream") if len(res.at(w, g)) >= 2]
-        if not counts:
+        g = res.most_gpus_beside_others(w, "pipedream")
+        if g is None:
             continue
-        g = counts[-1]
         cells = res.at(w, g)
         others = {row: r for row, r in cells.items() if row != "pipedream" and family_of(row) == "data"}
         best = min(others, key=lambda row: (others[row].samples_to_target() or float("inf"), row)) if others else None

@@ -71,6 +71,10 @@ class Results:
     def at(self, workload: str, gpus: int) -> dict[str, Result]:
         return {r: res for (w, r, g), res in self.ok.items() if w == workload and g == gpus}
 
+    def most_gpus_beside_others(self, workload: str, row: str) -> int | None:
+        """The highest GPU count at which `row` ran beside at least one other row (None: nowhere)."""
+        return max((g for g in self.gpus(workload, row) if len(self.at(workload, g)) >= 2), default=None)
+
     @staticmethod
     def on_gpu(result: Result) -> bool:
         return result.memory_method.startswith("cuda")
@@ -253,10 +257,9 @@ def pipedream_slower(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
     """Statistical efficiency per sample: epochs to the target, else the final metric."""
     verdicts, notes = [], []
     for w in res.workloads:
-        counts = [g for g in res.gpus(w, "pipedream") if len(res.at(w, g)) >= 2]
-        if not counts:
+        gpus = res.most_gpus_beside_others(w, "pipedream")
+        if gpus is None:
             continue
-        gpus = counts[-1]
         cells = res.at(w, gpus)
         mine = cells.pop("pipedream")
         reached = {row: r.epochs_to_target() for row, r in cells.items() if r.epochs_to_target() is not None}
