@@ -125,7 +125,7 @@ def test_plan_carries_the_smoke_recipe() -> None:
     recipe = lbann_recipe("smoke", "run.gpus=2")
     plan = translation.plan(recipe, Path("/d"), Path("/w"), 10)
     assert plan["mini_batch_size"] == 32
-    assert plan["optimizer"] == {"name": "adam", "learn_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    assert plan["optimizer"] == {"name": "adam", "learn_rate": 0.0005, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
     assert plan["l2_scale"] == 0.0
     # LBANN's reader takes the sample size only from a crop or resize (else 256x256): digits get a resize.
     assert plan["readers"][0]["transforms"] == [
