@@ -120,7 +120,8 @@ def zero(cell: Cell) -> Prediction:
     Communication (stage 1-2, DeepSpeed's `average_tensor`/`reduce_ipg_grads`): every gradient bucket
     is reduced (on gloo the reduce-scatter runs as an all-reduce of the bucket: the whole gradient),
     the gradient norm is all-reduced (one fp32), and the updated partitions are all-gathered (each
-    rank hands its partition).
+    rank hands its partition). With one process DeepSpeed still all-reduces the buckets and the norm
+    (counted at stage 2: 4 Psi + 4 bytes), and gathers nothing.
     """
     stage, n = cell.option("stage", 2), cell.gpus
     psi, count = parameters(cell.shape), tensor_count(cell.shape)
@@ -130,9 +131,9 @@ def zero(cell: Cell) -> Prediction:
     grads = FP32 * (psi if stage == 1 else part + straddling(cell.shape, part, n) + held_whole(cell.shape, bucket))
     grads += FP32 * bucket + FP32
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
-    comm: dict[str, int] = {}
+    comm = {"all_reduce": FP32 * psi + FP32}
     if n > 1:
-        comm = {"all_reduce": FP32 * psi + FP32, "all_gather": FP32 * part}
+        comm["all_gather"] = FP32 * part
     return Prediction(weights, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
 
 
@@ -176,8 +177,8 @@ def megatron(cell: Cell) -> Prediction:
     all-reduces of the tp group's activations (Shoeybi et al. 2019, Figure 3: f and g), each of
     tokens x d fp32 elements: two per layer in forward and two in backward, the vocabulary-parallel
     embedding's output in forward and the head's input gradient in backward, and the vocabulary-
-    parallel cross entropy's three of one fp32 per token (maximum, target logit, sum of exponentials);
-    with dp > 1 one flattened all-reduce of the shard's gradients (repro.adapters.megatron). The tp ranks
+    parallel cross entropy's three of one fp32 per token (maximum, target logit, sum of exponentials),
+    which it all-reduces over a tp group of one too (counted at tp=1: 3 x 4 bytes a token); with dp > 1 one flattened all-reduce of the shard's gradients (repro.adapters.megatron). The tp ranks
     of a group share its samples: batch_per_gpu x tp sequences (the paper's batch rule)."""
     if not isinstance(cell.shape, GPT2Shape):
         raise KeyError("megatron applies to gpt2 only")
@@ -188,14 +189,13 @@ def megatron(cell: Cell) -> Prediction:
     psi = megatron_elements(cell.shape, tp)
     count = tensor_count(cell.shape)
     tokens = cell.batch_per_gpu * tp * cell.shape.seq_len
-    reduced = 0
+    reduced = FP32 * 3 * tokens
     if tp > 1:
-        reduced += FP32 * tokens * cell.shape.d_model * (4 * cell.shape.n_layer + 2) + FP32 * 3 * tokens
+        reduced += FP32 * tokens * cell.shape.d_model * (4 * cell.shape.n_layer + 2)
         reduced += FP32 if cell.option("grad_clip", None) else 0
     if dp > 1:
         reduced += FP32 * psi
-    comm = {"all_reduce": reduced} if reduced else {}
-    return Prediction(FP32 * psi, FP32 * psi, optimizer_bytes(cell, psi, count), None, comm)
+    return Prediction(FP32 * psi, FP32 * psi, optimizer_bytes(cell, psi, count), None, {"all_reduce": reduced})
 
 
 def torchgpipe(cell: Cell) -> Prediction:
