@@ -330,14 +330,15 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
             if not size.lower().endswith("gib") or not size[:-3].replace(".", "", 1).isdigit():
                 fail(f"--gpu-memory: {text!r} is not [NAME=]SIZE in GiB, e.g. 16GiB or V100=16GiB")
             devices[name or size] = float(size[:-3])
+    def gib(size: float | None) -> str:
+        return "-" if size is None else f"{size / 2**30:.2f}"
+
     for workload in models or MODELS:
         click.echo(f"{workload}, {scale} scale: per GPU, GiB; communication MiB per step (payload handed)")
         click.echo(f"  {'row':<16}{'gpus':>5}{'state':>9}{'activ.':>9}{'peak':>9}{'comm':>10}  fits")
         for entry in matrix_predictions(workload, scale):
             p = entry["prediction"]
-            gib = lambda size: "-" if size is None else f"{size / 2**30:.2f}"  # noqa: E731
-            peak = p.estimated_peak if p.estimated_peak is not None else p.model_state
-            fits = [name for name, size in devices.items() if peak <= size * 2**30]
+            fits = [name for name, size in devices.items() if p.fit_bytes <= size * 2**30]
             note = "" if p.estimated_peak is not None else " (by model state: activations not modelled)"
             click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{gib(p.model_state):>9}{gib(p.activations):>9}"
                        f"{gib(p.estimated_peak):>9}{p.comm_bytes / 2**20:>10.1f}  {', '.join(fits) or 'none'}{note}")

@@ -74,6 +74,11 @@ class Prediction:
         """Model state + activations: what the CPU stand-ins measure as `memory/estimated_peak_bytes`."""
         return None if self.activations is None else self.model_state + self.activations
 
+    @property
+    def fit_bytes(self) -> int:
+        """What a device must hold: the estimated peak, or the model state where activations are not modelled."""
+        return self.model_state if self.estimated_peak is None else self.estimated_peak
+
 
 def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
     per_element, per_tensor = OPTIMIZER_STATE[cell.optimizer]

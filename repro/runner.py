@@ -168,7 +168,7 @@ def check_memory(recipe: Recipe, options: Launch) -> None:
         predicted = costmodel.predict(costmodel.cell_of(recipe))
     except KeyError:  # no model for this framework or workload: nothing to check against
         return
-    per_gpu = predicted.estimated_peak or predicted.model_state
+    per_gpu = predicted.fit_bytes
     gpus = recipe.run.gpus // recipe.run.nodes
     on_gpu = recipe.run.device == "cuda" or (recipe.run.device == "auto" and hardware.gpu_count())
     need, have = (per_gpu, hardware.gpu_memory_bytes()) if on_gpu else (per_gpu * gpus, hardware.memory_gb() * 2**30)
