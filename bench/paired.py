@@ -32,6 +32,7 @@ from minimal import STEP_BUILDERS, build_model, timed_steps
 from repro import events, loop
 from repro.data.sets import dataset
 from repro.recipe import load_file, recipe_path
+from repro.runfiles import RunFolder
 
 VAL_SAMPLES = 32  # validation runs between a kit block's steps and the next block, outside both sides' timing
 
@@ -44,8 +45,8 @@ def fresh_run(trainer: loop.Trainer, run_dir: Path) -> None:
     dist.barrier()
     if trainer.writer:
         trainer.writer.close()
-        (run_dir / events.EVENTS_FILE).unlink(missing_ok=True)
-        trainer.writer = events.EventWriter(run_dir / events.EVENTS_FILE)
+        RunFolder(run_dir).events_file.unlink(missing_ok=True)
+        trainer.writer = events.EventWriter(RunFolder(run_dir).events_file)
 
 
 def kit_block(trainer: loop.Trainer, run_dir: Path) -> tuple[float, int, float]:
@@ -55,7 +56,7 @@ def kit_block(trainer: loop.Trainer, run_dir: Path) -> tuple[float, int, float]:
     trainer.run()
     if not trainer.writer:
         return 0.0, 0, 0.0
-    (epoch,) = [e for e in events.read_all(run_dir / events.EVENTS_FILE) if e["event"] == events.EPOCH]
+    (epoch,) = [e for e in events.read_all(RunFolder(run_dir).events_file) if e["event"] == events.EPOCH]
     return epoch["step_s"]["mean"], epoch["step_s"]["count"], epoch["loop_us"]["harness"]
 
 

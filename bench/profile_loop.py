@@ -31,6 +31,7 @@ from paired import fresh_run
 from repro import events, loop, metrics
 from repro.data.sets import dataset
 from repro.recipe import load_file, recipe_path
+from repro.runfiles import RunFolder
 
 VAL_SAMPLES = 32  # validation runs between epochs, outside the steps
 
@@ -126,7 +127,7 @@ def direct_budget(trainer: loop.Trainer, run_dir: Path) -> None:
     if not trainer.writer:
         return
     trainer.writer.close()
-    epochs = [e for e in events.read_all(run_dir / events.EVENTS_FILE) if e["event"] == events.EPOCH]
+    epochs = [e for e in events.read_all(RunFolder(run_dir).events_file) if e["event"] == events.EPOCH]
     steps = epochs[-1]["step"]
     harness = sum(e["loop_us"]["harness"] * e["samples"] / trainer.global_batch for e in epochs) / steps
     step_ms = sum(e["step_s"]["mean"] for e in epochs) / len(epochs) * 1e3

@@ -12,7 +12,6 @@ an artifact written again replaces itself.
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -24,14 +23,7 @@ from typing import Any
 import psutil
 
 from repro import events, tracking
-from repro.checkpoint import atomic_write_text
-from repro.runfiles import RUN_FILE
-
-RECIPE_FILE = "recipe.yaml"  # the resolved recipe, logged when the run is created
-STATE_FILE = "delivery.json"
-OUTCOME_FILE = "outcome.json"
-HEARTBEAT_FILE = "heartbeat.json"
-BOOKKEEPING = {STATE_FILE, OUTCOME_FILE, HEARTBEAT_FILE}
+from repro.runfiles import RunFolder
 EVENTS_PER_BATCH = 200  # the place moves after each batch, so an outage costs at most one batch's resend
 FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.5, 15.0  # between failed attempts: doubling from the first to the longest
 # Between deliveries while the job runs. Each one is a batch of SQL writes in the follower, next to the
@@ -54,41 +46,17 @@ class State:
 
     @classmethod
     def load(cls, run_dir: Path) -> "State":
-        path = run_dir / STATE_FILE
-        return cls(**json.loads(path.read_text())) if path.exists() else cls()
+        record = RunFolder(run_dir).read_delivery()
+        return cls(**record) if record is not None else cls()
 
     def save(self, run_dir: Path) -> None:
-        atomic_write_text(run_dir / STATE_FILE, json.dumps(asdict(self), indent=2))
+        RunFolder(run_dir).write_delivery(asdict(self))
 
 
-@dataclass
-class Outcome:
-    """How the job ended, as whoever saw it end decided (the follower, or `repro settle`)."""
-
-    status: str  # FINISHED, FAILED or KILLED
-    error: str | None = None
-    tags: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, run_dir: Path) -> "Outcome | None":
-        path = run_dir / OUTCOME_FILE
-        return cls(**json.loads(path.read_text())) if path.exists() else None
-
-    def save(self, run_dir: Path) -> None:
-        atomic_write_text(run_dir / OUTCOME_FILE, json.dumps(asdict(self), indent=2))
-
-
-def beat(run_dir: Path) -> None:
+def beat(folder: RunFolder) -> None:
     """The follower's sign of life (RUN_DIR/heartbeat.json), which `repro settle` reads."""
     started = psutil.Process().create_time()  # with the pid, tells this process from a later one given its pid
-    sign = {"pid": os.getpid(), "started": started, "host": socket.gethostname(), "time": time.time()}
-    atomic_write_text(run_dir / HEARTBEAT_FILE, json.dumps(sign))
-
-
-def deliverable_files(run_dir: Path) -> list[Path]:
-    """What the job left in its run folder (events, output, files an adapter wrote): inputs and bookkeeping excluded."""
-    skipped = {RUN_FILE, RECIPE_FILE, *BOOKKEEPING}
-    return sorted(p for p in run_dir.iterdir() if p.is_file() and p.name not in skipped and not p.name.startswith("."))
+    folder.write_heartbeat({"pid": os.getpid(), "started": started, "host": socket.gethostname(), "time": time.time()})
 
 
 def file_mark(path: Path) -> list[int]:
@@ -100,20 +68,20 @@ class Delivery:
     """Brings one run's MLflow run up to date with its folder; each call resumes where the last stopped."""
 
     def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
+        self.run_dir, self.folder = run_dir, RunFolder(run_dir)
         self.state = State.load(run_dir)
         self._run: tracking.Run | None = None
 
     def run(self) -> tracking.Run:
         """The MLflow run, connected on first use (a server that is down fails the attempt, not the caller's setup)."""
         if self._run is None:
-            spec = json.loads((self.run_dir / RUN_FILE).read_text())
-            self._run = tracking.Run.connect(spec["tracking_uri"], spec["mlflow_run_id"])
+            spec = self.folder.read_spec()
+            self._run = tracking.Run.connect(spec.tracking_uri, spec.mlflow_run_id)
         return self._run
 
     def restart(self) -> None:
         """The job starts (again): the run is to be marked running, and a previous end no longer holds."""
-        (self.run_dir / OUTCOME_FILE).unlink(missing_ok=True)
+        self.folder.clear_outcome()
         self.state.marked_running, self.state.ended = False, None
         self.state.save(self.run_dir)
 
@@ -123,7 +91,7 @@ class Delivery:
             self.run().mark_running()
             self.state.marked_running = True
             self.state.save(self.run_dir)
-        reader = events.EventReader(self.run_dir / events.EVENTS_FILE, self.state.events_offset)
+        reader = events.EventReader(self.folder.events_file, self.state.events_offset)
         batch: list[dict[str, Any]] = []
         for event in reader.new():
             batch.append(event)
@@ -143,10 +111,10 @@ class Delivery:
     def deliver(self) -> bool:
         """Everything the folder holds: events; once the job has ended, its files and its end. True when up to date."""
         self.deliver_events()
-        outcome = Outcome.load(self.run_dir)
+        outcome = self.folder.read_outcome()
         if outcome is None or self.state.ended:
             return outcome is not None
-        for path in deliverable_files(self.run_dir):
+        for path in self.folder.artifacts():
             mark = file_mark(path)
             if self.state.files.get(path.name) != mark:
                 self.run().log_artifact(path)
@@ -161,9 +129,9 @@ class Delivery:
 
     def record_undelivered(self, error: Exception) -> None:
         """Say in the run folder what is left to deliver, why, and how to deliver it."""
-        left = list(events.EventReader(self.run_dir / events.EVENTS_FILE, self.state.events_offset).new())
+        left = list(events.EventReader(self.folder.events_file, self.state.events_offset).new())
         points = sum(len(tracking.event_metrics(e)) for e in left)
-        files = [p.name for p in deliverable_files(self.run_dir) if self.state.files.get(p.name) != file_mark(p)]
+        files = [p.name for p in self.folder.artifacts() if self.state.files.get(p.name) != file_mark(p)]
         end = "" if self.state.ended else ", the run's end"
         self.state.undelivered = (
             f"{len(left)} events ({points} metric points), {len(files)} files{end}; last error: "

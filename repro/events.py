@@ -10,8 +10,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-EVENTS_FILE = "events.jsonl"
-
 # event kinds
 START = "start"
 STEP = "step"

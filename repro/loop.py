@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -33,8 +32,8 @@ from repro.adapters.base import Adapter, RunContext
 from repro.metrics import (
     WARMUP_STEPS, StepClock, Stopwatch, Timer, device_name, device_used_bytes, peak_memory_bytes, step_time_summary,
 )
-from repro.recipe import Recipe, resolve
-from repro.runfiles import RUN_FILE
+from repro.recipe import Recipe
+from repro.runfiles import Position, RunFolder
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption and SLURM's warning before the time limit
 # Steps between the loop's reads of the device (rounded up to a multiple of train.log_every): the
@@ -145,7 +144,7 @@ class Trainer:
     """Runs the epochs of one rank and emits events on the reporting rank."""
 
     def __init__(self, recipe: Recipe, run_dir: Path, data_dir: Path):
-        self.recipe, self.run_dir = recipe, run_dir
+        self.recipe, self.run_dir, self.folder = recipe, run_dir, RunFolder(run_dir)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = pick_device(recipe, self.local_rank)
         rank, world, local_rank = init_distributed(self.device, recipe.run.timeout_s)
@@ -163,7 +162,7 @@ class Trainer:
         self.train_set, self.val_set = workload.datasets()
         self.global_batch = type(self.adapter).global_batch(recipe)
         self.reporting = rank == self.adapter.reporting_rank
-        self.writer = events.EventWriter(run_dir / events.EVENTS_FILE) if self.reporting else None
+        self.writer = events.EventWriter(self.folder.events_file) if self.reporting else None
         self.stop_signal: signal.Signals | None = None
         log_every = recipe.train.log_every
         self.window = log_every * -(-SYNC_EVERY // log_every)
@@ -344,7 +343,7 @@ class Trainer:
         self.emit(events.END, step=at.step, elapsed_s=at.elapsed_s, host_syncs=dict(self.host_syncs))
         return 0
 
-    def interrupt(self, at: checkpoint.Position, epoch: int) -> int:
+    def interrupt(self, at: Position, epoch: int) -> int:
         """Log what is pending, save on every rank and return 128 + the signal."""
         self.phase = "epoch"
         self.log_losses()
@@ -353,7 +352,7 @@ class Trainer:
                   no_checkpoint=self.no_checkpoint)
         return 128 + self.stop_signal
 
-    def done(self, at: checkpoint.Position) -> bool:
+    def done(self, at: Position) -> bool:
         return bool(self.recipe.train.max_steps and at.step >= self.recipe.train.max_steps)
 
     def on_signal(self, signum: int, frame: object) -> None:
@@ -393,28 +392,28 @@ class Trainer:
         if dist.is_initialized() and self.ctx.world > 1:
             dist.barrier()
 
-    def save(self, at: checkpoint.Position) -> None:
+    def save(self, at: Position) -> None:
         """Every rank writes its part; rank 0 makes the checkpoint current once all have finished.
         An adapter that can make no checkpoint says so once, on a stop signal's save."""
         if self.no_checkpoint:
             if self.stop_signal and self.reporting:
                 print(f"repro: stopped at step {at.step} without a checkpoint: {self.no_checkpoint}", file=sys.stderr)
             return
-        folder = checkpoint.folder_for(self.run_dir, at.step)
+        folder = self.folder.checkpoint_folder(at.step)
         folder.mkdir(parents=True, exist_ok=True)
         self.adapter.save_checkpoint(folder)
         state = {"position": dataclasses.asdict(at), "rng": checkpoint.rng_state()}
         checkpoint.atomic_torch_save(state, folder / f"loop-rank{self.ctx.rank}.pt")
         self.barrier()
         if self.ctx.rank == 0:
-            checkpoint.publish(self.run_dir, folder, at)
+            self.folder.publish_checkpoint(folder, at)
         self.emit(events.CHECKPOINT, step=at.step, epoch=at.epoch, folder=str(folder))
 
-    def restore(self) -> checkpoint.Position:
+    def restore(self) -> Position:
         """Continue from the run's last complete checkpoint, if it has one."""
-        found = checkpoint.latest(self.run_dir)
+        found = self.folder.latest_checkpoint()
         if found is None:
-            return checkpoint.Position()
+            return Position()
         folder, position = found
         self.adapter.load_checkpoint(folder)
         state = torch.load(folder / f"loop-rank{self.ctx.rank}.pt", weights_only=False)
@@ -435,10 +434,8 @@ class Trainer:
 
 
 def main(run_dir: str) -> None:
-    run_dir_path = Path(run_dir)
-    spec = json.loads((run_dir_path / RUN_FILE).read_text())
-    recipe = resolve(spec["recipe"], spec["recipe"]["source"])
-    trainer = Trainer(recipe, run_dir_path, Path(spec["data_dir"]))
+    folder = RunFolder(run_dir)
+    trainer = Trainer(folder.recipe(), folder.path, Path(folder.read_spec().data_dir))
     clean = False
     try:
         code = trainer.run()

@@ -16,8 +16,9 @@ from repro.recipe import Recipe
 from repro.run import executors, lifecycle, preflight
 from repro.run.executors.base import DRY_RUN_DIR, Executor
 from repro.run.follower import follow
-from repro.run.options import Launch, Outcome
+from repro.run.options import Launch, Result
 from repro.run.progress import Progress
+from repro.runfiles import RunFolder
 
 
 def check_machine(recipe: Recipe, options: Launch) -> Executor:
@@ -32,27 +33,27 @@ def check_machine(recipe: Recipe, options: Launch) -> Executor:
 def execute(
     recipe: Recipe, uri: str, experiment: str, options: Launch = Launch(), echo: Callable[[str], None] = print,
     progress: bool = True,
-) -> Outcome:
+) -> Result:
     """Check everything (all a dry run does), then start the run, new or resumed, and follow it to its end."""
     executor = check_machine(recipe, options)
     data: Verified = preflight.check_data(recipe)
     if options.dry_run:
         echo(executor.dry_run(data.root, uri))
-        return Outcome(0, None, DRY_RUN_DIR)
+        return Result(0, None, DRY_RUN_DIR)
     shown = Progress(sys.stderr) if progress else None
     if not executor.records_run:
-        return executor.start(options.run_dir.resolve(), None, None, echo, shown)
+        return executor.start(RunFolder(options.run_dir.resolve()), None, echo, shown)
     if options.resume:
-        run_dir, run, spec = lifecycle.continue_run(recipe, options, executor.created_status)
+        folder, run = lifecycle.continue_run(recipe, options, executor.created_status)
         if run is None:
-            echo(f"{run_dir}: the run is complete (MLflow run {spec['mlflow_run_id']}, {recipe.train.epochs} epochs); "
-                 f"nothing to resume; to train longer: --resume {run_dir} --epochs N")
-            return Outcome(0, None, run_dir)
+            echo(f"{folder.path}: the run is complete (MLflow run {folder.read_spec().mlflow_run_id}, "
+                 f"{recipe.train.epochs} epochs); nothing to resume; to train longer: --resume {folder.path} --epochs N")
+            return Result(0, None, folder.path)
     else:
-        run_dir, run, spec = lifecycle.new_run(recipe, options, uri, experiment, data, executor.created_status)
-    return executor.start(run_dir, run, spec, echo, shown)
+        folder, run = lifecycle.new_run(recipe, options, uri, experiment, data, executor.created_status)
+    return executor.start(folder, run, echo, shown)
 
 
 def attach(run_dir: Path, command: list[str], echo: Callable[[str], None] = print) -> int:
     """Run `command` (the job steps) and follow its events into the run recorded in `run_dir`: a Slurm batch step."""
-    return follow(command, run_dir, echo, Progress(sys.stderr))[0]
+    return follow(command, RunFolder(run_dir), echo, Progress(sys.stderr))[0]

@@ -8,7 +8,6 @@ FAILED; the reason goes to the `repro.settled` tag, and the run folder is delive
 """
 from __future__ import annotations
 
-import json
 import socket
 import time
 from pathlib import Path
@@ -16,12 +15,11 @@ from pathlib import Path
 import psutil
 
 from repro import events, slurm, tracking
-from repro.delivery import HEARTBEAT_FILE, Delivery, Outcome
-from repro.runfiles import RUN_FILE
+from repro.delivery import Delivery
+from repro.runfiles import Outcome, RunFolder
 
 STALE_S = 120.0  # the follower beats every few seconds; this much silence means it is gone
 REASON_TAG = "repro.settled"
-SLURM_JOB_KEY = "slurm_job_id"  # in RUN_DIR/run.json, written when a job is submitted to Slurm
 
 
 def follower_lives(sign: dict) -> bool:
@@ -34,19 +32,18 @@ def follower_lives(sign: dict) -> bool:
 
 def job_gone(run_dir: Path, stale_s: float) -> tuple[bool, str]:
     """(whether the run's job is gone, the evidence). Raises slurm.SlurmUnreachable when Slurm cannot be asked."""
-    spec = json.loads((run_dir / RUN_FILE).read_text())
-    heartbeat = run_dir / HEARTBEAT_FILE
-    age = time.time() - (heartbeat if heartbeat.exists() else run_dir / RUN_FILE).stat().st_mtime
+    folder = RunFolder(run_dir)
+    age = folder.heartbeat_age_s(time.time())
     if age < stale_s:
         return False, f"its heartbeat is {age:.0f} s old"
     evidence = [f"no heartbeat for {age:.0f} s"]
-    if heartbeat.exists():
-        sign = json.loads(heartbeat.read_text())
+    sign = folder.read_heartbeat()
+    if sign is not None:
         if sign["host"] == socket.gethostname() and follower_lives(sign):
             return False, f"its follower (pid {sign['pid']}) still runs"
         here = sign["host"] == socket.gethostname()
         evidence.append(f"follower pid {sign['pid']} on {sign['host']} {'gone' if here else 'silent'}")
-    job_id = spec.get(SLURM_JOB_KEY)
+    job_id = folder.read_spec().slurm_job_id  # the latest job submitted to Slurm
     if job_id:
         state = slurm.job_state(str(job_id))
         if state is not None and state not in slurm.ENDED:
@@ -57,7 +54,7 @@ def job_gone(run_dir: Path, stale_s: float) -> tuple[bool, str]:
 
 def ending_from_events(run_dir: Path, evidence: str) -> Outcome:
     """How the job ended, as far as its events tell."""
-    found = events.read_all(run_dir / events.EVENTS_FILE)
+    found = events.read_all(RunFolder(run_dir).events_file)
     marks = [e for e in found if e["event"] in (events.START, events.RESUME, events.INTERRUPTED, events.END)]
     steps = [e["step"] for e in found if "step" in e]
     last = marks[-1]["event"] if marks else None
@@ -79,7 +76,7 @@ def settle_folder(run_dir: Path, stale_s: float = STALE_S) -> str:
     delivery = Delivery(run_dir)
     if delivery.state.ended:
         return f"{run_dir}: already ended {delivery.state.ended}"
-    outcome = Outcome.load(run_dir)
+    outcome = delivery.folder.read_outcome()
     if outcome is None:
         try:
             gone, evidence = job_gone(run_dir, stale_s)
@@ -88,7 +85,7 @@ def settle_folder(run_dir: Path, stale_s: float = STALE_S) -> str:
         if not gone:
             return f"{run_dir}: left running: {evidence}"
         outcome = ending_from_events(run_dir, evidence)
-        outcome.save(run_dir)
+        delivery.folder.write_outcome(outcome)
     try:
         delivery.deliver()
     except Exception as error:  # a server that is away: the folder says what is left, a later settle resumes
@@ -104,7 +101,7 @@ def settle(uri: str, run_dirs: list[Path], stale_s: float = STALE_S) -> list[str
     lines = []
     for run_id, status, tags in tracking.unfinished_runs(uri):
         folder = tags.get(f"{tracking.TAG_PREFIX}run_dir")
-        if folder and (Path(folder) / RUN_FILE).exists():
+        if folder and RunFolder(folder).exists():
             lines.append(settle_folder(Path(folder), stale_s))
         else:
             lines.append(f"run {run_id} ({status}): its run folder {folder or '(not recorded)'} is not on this "

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from repro.loop import RUN_FILE, Trainer
+from repro.loop import Trainer
 from repro.recipe import resolve
+from repro.runfiles import RUN_FILE
 
 PROBE_SAMPLES = 4
 

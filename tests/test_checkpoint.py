@@ -5,6 +5,7 @@ import torch
 
 from repro import checkpoint
 from repro.loop import GlobalBatches
+from repro.runfiles import Position, RunFolder
 
 
 def save(folder, value: float) -> None:
@@ -13,14 +14,15 @@ def save(folder, value: float) -> None:
 
 
 def test_a_folder_counts_only_once_published(tmp_path):
-    assert checkpoint.latest(tmp_path) is None
-    first, second = checkpoint.folder_for(tmp_path, 8), checkpoint.folder_for(tmp_path, 16)
+    run = RunFolder(tmp_path)
+    assert run.latest_checkpoint() is None
+    first, second = run.checkpoint_folder(8), run.checkpoint_folder(16)
     save(first, 1.0)
-    checkpoint.publish(tmp_path, first, checkpoint.Position(epoch=1, step=8))
+    run.publish_checkpoint(first, Position(epoch=1, step=8))
     save(second, 2.0)  # written, but not published: a crash here leaves the first one current
-    assert checkpoint.latest(tmp_path) == (first, checkpoint.Position(epoch=1, step=8))
-    checkpoint.publish(tmp_path, second, checkpoint.Position(epoch=2, step=16))
-    assert checkpoint.latest(tmp_path) == (second, checkpoint.Position(epoch=2, step=16))
+    assert run.latest_checkpoint() == (first, Position(epoch=1, step=8))
+    run.publish_checkpoint(second, Position(epoch=2, step=16))
+    assert run.latest_checkpoint() == (second, Position(epoch=2, step=16))
     assert not first.exists()
     assert sorted(p.name for p in second.iterdir()) == ["adapter.pt"]  # no temporary file left behind
 

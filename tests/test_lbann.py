@@ -18,6 +18,7 @@ from repro.adapters import lbann as translation
 from repro.adapters.lbann_driver import MEMORY_METHOD, Job, epoch_events
 from repro.adapters.lbann_log import GIB, parse, trainer_epochs
 from repro.recipe import load_file, recipe_path
+from repro.runfiles import EVENTS_FILE
 from repro.schema import RecipeError
 from repro.workloads.vgg16 import VGG16Spec, build_vgg16
 
@@ -410,7 +411,7 @@ def test_driver_writes_lbanns_inputs_and_follows_its_log(tmp_path: Path, monkeyp
     (tmp_path / "lbann" / "out.log").write_text(LOG)
     assert job.follow(subprocess.Popen(["true"]), tmp_path / "lbann" / "out.log") == 0
     job.writer.close()
-    written = events.read_all(tmp_path / events.EVENTS_FILE)
+    written = events.read_all(tmp_path / EVENTS_FILE)
     assert [e["event"] for e in written] == [events.STEP, events.EPOCH] * 3 + [events.END]
     epochs = [e for e in written if e["event"] == events.EPOCH]
     assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 23), (1, 46), (2, 69)]

@@ -17,6 +17,7 @@ from repro import events, loop, tracking
 from repro.data.sets import dataset
 from repro.metrics import WARMUP_STEPS, Stopwatch, step_time_summary
 from repro.recipe import load_file, recipe_path
+from repro.runfiles import EVENTS_FILE
 from host import free_port
 
 STEPS = 40  # 320 samples / batch 8: one epoch, two full windows of loop.SYNC_EVERY and a partial one
@@ -91,7 +92,7 @@ def test_a_stop_lands_a_step_after_the_next_vote(trainer, monkeypatch):
     monkeypatch.setattr(trainer.adapter, "train_step", signalled_at_step_7)
     assert trainer.run() == 128 + signal.SIGTERM
     trainer.close(clean=False)
-    written = events.read_all(trainer.run_dir / events.EVENTS_FILE)
+    written = events.read_all(trainer.run_dir / EVENTS_FILE)
     (interrupted,) = [e for e in written if e["event"] == events.INTERRUPTED]
     assert interrupted["step"] == 11 and interrupted["signal"] == "SIGTERM"
     assert [e["step"] for e in written if e["event"] == events.STEP] == list(range(1, 12))
@@ -104,7 +105,7 @@ def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distributio
     monkeypatch.setattr(comm, "counting", lambda: counted.append(trainer.steps_here) or type(comm).counting(comm))
     assert trainer.run() == 0
     trainer.close(clean=True)
-    written = events.read_all(trainer.run_dir / events.EVENTS_FILE)
+    written = events.read_all(trainer.run_dir / EVENTS_FILE)
     steps = [e for e in written if e["event"] == events.STEP]
     assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
     assert all(0 < e["loss"] < 10 for e in steps) and steps[-1]["loss"] < steps[0]["loss"]
@@ -145,7 +146,7 @@ def test_the_counters_time_is_kept_apart_from_the_loops_own(trainer, monkeypatch
     monkeypatch.setattr(trainer.adapter.activations, "hooks", Slow)
     assert trainer.run() == 0
     trainer.close(clean=True)
-    (epoch,) = [e for e in events.read_all(trainer.run_dir / events.EVENTS_FILE) if e["event"] == events.EPOCH]
+    (epoch,) = [e for e in events.read_all(trainer.run_dir / EVENTS_FILE) if e["event"] == events.EPOCH]
     counted = WARMUP_STEPS + 1  # one process
     assert epoch["loop_us"]["counters"] >= counted * 50_000 / STEPS
     assert epoch["loop_us"]["harness"] < counted * 50_000 / STEPS / 2

@@ -21,7 +21,7 @@ from conftest import REPO, Repro, Result
 from repro import tracking
 from repro.adapters import megatron_cpu
 from repro.adapters.megatron import MegatronAdapter, qkv_by_head
-from repro.loop import RUN_FILE
+from repro.runfiles import RUN_FILE
 from repro.recipe import load_file, recipe_path
 from repro.run.preflight import verify_data
 from repro.schema import RecipeError

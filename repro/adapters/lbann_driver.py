@@ -20,8 +20,8 @@ from typing import Any
 from repro import events, launch, registry
 from repro.adapters import lbann as translation
 from repro.adapters.lbann_log import GIB, Epoch, parse, trainer_epochs
-from repro.recipe import Recipe, resolve
-from repro.runfiles import RUN_FILE
+from repro.recipe import Recipe
+from repro.runfiles import RunFolder
 
 WORK_DIR = "lbann"
 EXPERIMENT_SCRIPT = Path(__file__).with_name("lbann_experiment.py")
@@ -92,7 +92,7 @@ class Job:
         # LBANN's epochs visit every sample: the last mini-batch is a partial one.
         self.global_batch = self.plan["mini_batch_size"]
         self.steps_per_epoch = -(-self.train_samples // self.global_batch)
-        self.writer = events.EventWriter(run_dir / events.EVENTS_FILE)
+        self.writer = events.EventWriter(RunFolder(run_dir).events_file)
 
     @staticmethod
     def write_label_list(dataset: Any, split_dir: Path, path: Path) -> None:
@@ -153,10 +153,8 @@ class Job:
 
 
 def main(run_dir: str) -> None:
-    path = Path(run_dir)
-    spec = json.loads((path / RUN_FILE).read_text())
-    recipe = resolve(spec["recipe"], spec["recipe"]["source"])
-    job = Job(recipe, path, Path(spec["data_dir"]))
+    folder = RunFolder(run_dir)
+    job = Job(folder.recipe(), folder.path, Path(folder.read_spec().data_dir))
     try:
         sys.exit(job.run())
     finally:

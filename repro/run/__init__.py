@@ -1,6 +1,6 @@
 """One run from the parent's side, one role per module; `repro.runner` is the front door.
 
-    options          what `repro run` is asked (Launch) and what came of it (Outcome)
+    options          what `repro run` is asked (Launch) and what came of it (Result)
     preflight        the checks before anything starts, and all --dry-run does
     record           the MLflow run: tags and params at the start, reopened on resume
     lifecycle        the run folder: new, resumed, extended

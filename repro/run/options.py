@@ -33,7 +33,7 @@ class Launch:
 
 
 @dataclass
-class Outcome:
+class Result:
     returncode: int
     run_id: str | None  # None: nothing ran (a dry run, or --resume of a complete run)
     run_dir: Path

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from repro import doctor, registry, tracking
-from repro.checkpoint import Position
 from repro.data import Verified
 from repro.recipe import Recipe
+from repro.runfiles import Position
 
 # what a run's end records about that end; a resumed run starts without them
 END_TAGS = ("repro.error", "repro.interrupted", "repro.failed_rank", "repro.settled")

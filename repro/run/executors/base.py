@@ -14,8 +14,9 @@ from typing import Callable
 
 from repro import tracking
 from repro.recipe import Recipe
-from repro.run.options import Launch, Outcome
+from repro.run.options import Launch, Result
 from repro.run.progress import Progress
+from repro.runfiles import RunFolder
 
 
 class Executor(ABC):
@@ -43,9 +44,9 @@ class Executor(ABC):
         """What --dry-run prints: the job as it would start, with RUN_DIR for the run folder."""
 
     @abstractmethod
-    def start(self, run_dir: Path, run: tracking.Run | None, spec: dict | None, echo: Callable[[str], None],
-              progress: Progress | None) -> Outcome:
-        """Start the job of the run in `run_dir` (recorded in `run`, described by `spec`, run.json)."""
+    def start(self, folder: RunFolder, run: tracking.Run | None, echo: Callable[[str], None],
+              progress: Progress | None) -> Result:
+        """Start the job of the run in `folder`, recorded in `run`."""
 
 
 DRY_RUN_DIR = Path("RUN_DIR")  # the run folder as --dry-run shows it

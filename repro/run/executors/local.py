@@ -9,8 +9,9 @@ from repro.run import preflight
 from repro.run.executors.base import DRY_RUN_DIR, Executor
 from repro.run.follower import follow
 from repro.recipe import Recipe
-from repro.run.options import Launch, Outcome
+from repro.run.options import Launch, Result
 from repro.run.progress import Progress
+from repro.runfiles import RunFolder
 
 
 class LocalExecutor(Executor):
@@ -30,8 +31,8 @@ class LocalExecutor(Executor):
     def dry_run(self, data_dir: Path, tracking_uri: str) -> str:
         return " ".join(self.command(DRY_RUN_DIR))
 
-    def start(self, run_dir: Path, run: tracking.Run | None, spec: dict | None, echo: Callable[[str], None],
-              progress: Progress | None) -> Outcome:
+    def start(self, folder: RunFolder, run: tracking.Run | None, echo: Callable[[str], None],
+              progress: Progress | None) -> Result:
         """Run the job here and follow it into the MLflow run until it ends."""
-        returncode, status = follow(self.command(run_dir), run_dir, echo, progress)
-        return Outcome(returncode, run.run_id, run_dir, status)
+        returncode, status = follow(self.command(folder.path), folder, echo, progress)
+        return Result(returncode, run.run_id, folder.path, status)

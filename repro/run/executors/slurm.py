@@ -3,8 +3,7 @@
 The script's batch step runs the follower (`repro attach`), which marks the run RUNNING and follows
 the job's steps into it; until then the run stays SCHEDULED, and `repro settle` ends it if the job
 goes without starting. Every job of the run (the first and each resume) is kept, in order, in
-RUN_DIR/run.json ("slurm_job_ids") and the tag repro.slurm_job_ids; "slurm_job_id" and
-repro.slurm_job_id name the latest.
+RUN_DIR/run.json and the tag repro.slurm_job_ids; repro.slurm_job_id names the latest.
 """
 from __future__ import annotations
 
@@ -16,13 +15,10 @@ from typing import Callable
 from repro import delivery, launch, registry, slurm, tracking
 from repro.run import preflight, record
 from repro.run.executors.base import DRY_RUN_DIR, Executor
-from repro.run.lifecycle import write_spec
 from repro.recipe import Recipe
-from repro.run.options import Launch, LaunchError, Outcome
+from repro.run.options import Launch, LaunchError, Result
 from repro.run.progress import Progress
-from repro.settle import SLURM_JOB_KEY
-
-JOB_SCRIPT = "job.sbatch"
+from repro.runfiles import Outcome, RunFolder
 
 
 class SlurmExecutor(Executor):
@@ -49,29 +45,28 @@ class SlurmExecutor(Executor):
         )
 
     def command(self, run_dir: Path) -> list[str]:
-        return ["sbatch", "--parsable", str(run_dir / JOB_SCRIPT)]
+        return ["sbatch", "--parsable", str(RunFolder(run_dir).job_script)]
 
     def dry_run(self, data_dir: Path, tracking_uri: str) -> str:
         return launch.sbatch_script(self.job(DRY_RUN_DIR, data_dir, tracking_uri))
 
-    def start(self, run_dir: Path, run: tracking.Run | None, spec: dict | None, echo: Callable[[str], None],
-              progress: Progress | None) -> Outcome:
+    def start(self, folder: RunFolder, run: tracking.Run | None, echo: Callable[[str], None],
+              progress: Progress | None) -> Result:
         """Write the batch script into the run folder and submit it; the job's follower logs the run."""
-        script = run_dir / JOB_SCRIPT
-        script.write_text(launch.sbatch_script(self.job(run_dir, Path(spec["data_dir"]), spec["tracking_uri"])))
+        spec, script = folder.read_spec(), folder.job_script
+        script.write_text(launch.sbatch_script(self.job(folder.path, Path(spec.data_dir), spec.tracking_uri)))
         run.log_artifact(script)
-        submitted = subprocess.run(self.command(run_dir), capture_output=True, text=True)
+        submitted = subprocess.run(self.command(folder.path), capture_output=True, text=True)
         if submitted.returncode:
-            delivery.Outcome("FAILED", f"sbatch failed: {submitted.stderr.strip()}").save(run_dir)
-            delivery.Delivery(run_dir).deliver()
+            folder.write_outcome(Outcome("FAILED", f"sbatch failed: {submitted.stderr.strip()}"))
+            delivery.Delivery(folder.path).deliver()
             raise LaunchError(f"sbatch {script} failed: {submitted.stderr.strip()}")
         job_id = submitted.stdout.strip().split(";")[0]  # --parsable: "JOBID" or "JOBID;CLUSTER"
-        spec[SLURM_JOB_KEY] = job_id  # the job `repro settle` asks Slurm about
-        spec["slurm_job_ids"] = [*spec.get("slurm_job_ids", []), job_id]
-        write_spec(run_dir, spec)
-        record.mark_submitted(run, spec["slurm_job_ids"])
-        echo(f"submitted SLURM job {job_id}; output in {run_dir}/slurm-{job_id}.out")
-        return Outcome(0, run.run_id, run_dir)
+        spec.slurm_job_ids.append(job_id)  # the last is the job `repro settle` asks Slurm about
+        folder.write_spec(spec)
+        record.mark_submitted(run, spec.slurm_job_ids)
+        echo(f"submitted SLURM job {job_id}; output in {folder.path}/slurm-{job_id}.out")
+        return Result(0, run.run_id, folder.path)
 
 
 def cluster_has_gpus(partition: str | None, dry_run: bool) -> bool:
