@@ -354,8 +354,8 @@ def list_() -> None:
     click.echo("frameworks:")
     width = max(map(len, registry.FRAMEWORKS))
     for name, entry in registry.FRAMEWORKS.items():
-        missing = entry.missing()
-        state = "available" if not missing else f"unavailable (missing {', '.join(missing)}: {entry.hint()})"
+        absence = entry.absence()
+        state = f"unavailable ({absence}: {entry.hint()})" if absence else "available"
         click.echo(f"  {name:<{width}} {entry.parallelism:<32} {state}")
     click.echo("recipes:")
     for path in (recipe_path(model, scale) for model in MODELS for scale in SCALES):

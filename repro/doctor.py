@@ -79,8 +79,8 @@ def gpu_paths() -> dict[str, str]:
 
 
 def availability(entry: registry.FrameworkEntry) -> str:
-    missing = entry.missing()
-    return f"unavailable: missing {', '.join(missing)}" if missing else "available"
+    absence = entry.absence()
+    return f"unavailable: {absence}" if absence else "available"
 
 
 def report() -> dict[str, Any]:

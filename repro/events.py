@@ -1,7 +1,8 @@
 """Structured run events: one JSON object per line, written by the reporting rank.
 
 This file is the single source of truth for a run: the tracker, the progress display, the
-tables and the checks all read these events, never console text. Keys are defined once here.
+tables and the checks all read these events, never console text. Event kinds are defined once here;
+the metric keys they become in MLflow are in repro.names.
 """
 from __future__ import annotations
 
@@ -19,26 +20,6 @@ END = "end"
 CHECKPOINT = "checkpoint"  # a complete checkpoint was made current
 INTERRUPTED = "interrupted"  # a stop signal: every rank saved and stopped (no_checkpoint: why it could not save)
 RESUME = "resume"  # training continues from a checkpoint
-
-# metric keys, as they appear in MLflow
-TRAIN_LOSS = "train/loss"
-VAL_ACCURACY = "val/accuracy"
-VAL_PERPLEXITY = "val/perplexity"
-VAL_LOSS = "val/loss"
-EPOCH_TIME = "time/epoch_s"
-ELAPSED = "time/elapsed_s"
-THROUGHPUT = "throughput/samples_per_s"
-STEP_TIME = "time/step_{}_s"  # {} is median, p10, p90 or mean of the epoch's step times (warm-up left out)
-STEP_COUNT = "time/step_count"  # steps the step-time figures summarise
-HARNESS_TIME = "time/harness_us"  # the loop's own host time between the frameworks' steps, mean per step
-COUNTERS_TIME = "time/counters_us"  # the kit's counters inside the first steps, mean per step of the epoch
-PEAK_MEMORY = "memory/peak_bytes"
-MODEL_STATE = "memory/model_state_bytes"
-ACTIVATION_PEAK = "memory/activation_peak_bytes"  # tensors saved for backward (repro.activation)
-ESTIMATED_PEAK = "memory/estimated_peak_bytes"  # model state + activation peak: a GPU's peak, estimated on CPU
-COMM_BYTES = "comm/bytes_per_step"  # payload a rank hands to its process groups in one step (repro.communication), busiest rank
-MODEL_CHECK = "model/{}_{}"  # {quantity}_{bytes|error}: the cost model's figure for a run, and its relative error
-COMM_KIND_BYTES = "comm/{}_bytes_per_step"  # {} is an operation kind (all_reduce, send, boundary:activation, ...)
 
 
 class EventWriter:

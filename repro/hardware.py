@@ -81,10 +81,11 @@ def gpu_memory_bytes() -> int:
 
 
 def cpu_cores() -> int:
-    """Cores this process may run on (its affinity: what a container or `taskset` grants, not the host's)."""
+    """Cores this process may run on (its affinity: what a container or `taskset` grants, not the host's;
+    all of the host's where the system has no affinity, as on macOS)."""
     import os
 
-    return len(os.sched_getaffinity(0))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def this_platform(nodes: int) -> dict[str, object]:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from repro import events, registry
+from repro import names, registry
 from repro.recipe import Recipe, load_file, recipe_path, section_key
 from repro.schema import RecipeError
 
@@ -123,34 +123,25 @@ def newest_losses(uri: str, experiment: str) -> Callable[[Recipe], list[float] |
     newest = {}
     for run in search_runs(uri, experiment):  # newest first
         if run.info.status == "FINISHED":
-            newest.setdefault(run.data.tags.get("repro.recipe_sha256"), run.info.run_id)
+            newest.setdefault(run.data.tags.get(names.RECIPE_SHA256), run.info.run_id)
     mlflow_client = client(uri)
 
     def losses(recipe: Recipe) -> list[float] | None:
         run_id = newest.get(recipe.fingerprint())
-        return history(mlflow_client, run_id, events.TRAIN_LOSS) if run_id else None
+        return history(mlflow_client, run_id, names.TRAIN_LOSS) if run_id else None
 
     return losses
 
 
 def train(recipes: list[Recipe], uri: str, experiment: str, out: Callable[[str], None]) -> dict[str, str]:
     """Run the recipes MLflow holds no finished run of; fingerprint -> why one could not run."""
-    from repro import runner
-    from repro.data import DataError
-    from repro.table2 import held_fingerprints
+    from repro.table2 import held_fingerprints, run_each
 
     held = held_fingerprints(uri, experiment, retry_failed=True)
     todo = {r.fingerprint(): r for r in recipes if r.fingerprint() not in held}
-    problems = {}
-    for index, (key, recipe) in enumerate(todo.items(), 1):
-        try:
-            code = runner.execute(recipe, uri, experiment, echo=lambda line: None, progress=False).returncode
-            if code:
-                problems[key] = f"run failed (exit {code})"
-        except (DataError, registry.Unavailable) as error:
-            code, problems[key] = 1, str(error)
-        out(f"parity [{index}/{len(todo)}] {recipe.run.framework} {recipe.run.gpus}g: {'done' if not code else 'FAILED'}")
-    return problems
+    runs = [(f"parity {r.run.framework} {r.run.gpus}g", r) for r in todo.values()]
+    return {key: refusal or f"run failed (exit {code})"
+            for key, (code, refusal) in zip(todo, run_each(runs, uri, experiment, out)) if code}
 
 
 def compare(config: Config, recipe: Recipe, losses: list[float] | None, reference: list[float] | None,
@@ -174,9 +165,9 @@ def run_parity(workload: str, scale: str, uri: str, experiment: str, steps: int 
     configs = [c for c in CONFIGS if not names or c.name in names]
     rows, planned = [], []
     for config in configs:
-        missing = registry.framework(config.framework).missing()
-        if missing:
-            rows.append(Row(config.name, config.framework, config.gpus, f"unavailable here: missing {', '.join(missing)}",
+        absence = registry.framework(config.framework).absence()
+        if absence:
+            rows.append(Row(config.name, config.framework, config.gpus, f"unavailable here: {absence}",
                             workload=workload))
             continue
         try:
@@ -260,13 +251,13 @@ def matrix_partings(uri: str, experiment: str, scale: str, workload: str = "vgg1
     if reference not in found:
         return []
     mlflow_client, base = client(uri), found[reference]
-    base_losses = history(mlflow_client, base.run_id, events.TRAIN_LOSS)
+    base_losses = history(mlflow_client, base.run_id, names.TRAIN_LOSS)
     out = []
     for row in rows:
         mine = found.get(row)
         if mine is None or run_settings.differences(mine.settings, base.settings, run_settings.TRAINING):
             continue
-        out.append(parting(row, reference, history(mlflow_client, mine.run_id, events.TRAIN_LOSS), base_losses,
+        out.append(parting(row, reference, history(mlflow_client, mine.run_id, names.TRAIN_LOSS), base_losses,
                            mine.final_metric, base.final_metric, TOLERANCE[("cpu", "fp32")], (workload, gpus)))
     return out
 

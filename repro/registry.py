@@ -30,6 +30,11 @@ class FrameworkEntry:
         gone += [p for p in self.needs_programs if shutil.which(p) is None]
         return list(dict.fromkeys(gone))  # LBANN's module and program share one name: say it once
 
+    def absence(self) -> str:
+        """What this framework lacks here, as every refusal says it ("missing deepspeed"); empty when nothing."""
+        missing = self.missing()
+        return f"missing {', '.join(missing)}" if missing else ""
+
     def hint(self) -> str:
         """How to get what is missing, here: the install hint, or inside the image how to rebuild it."""
         return self.image_hint if self.image_hint and os.environ.get("REPRO_IMAGE") else self.install_hint
@@ -97,11 +102,9 @@ def load(dotted: str) -> type:
 def adapter_class(name: str) -> type:
     """The adapter class for `name`, or a one-line reason why it cannot be used here."""
     entry = framework(name)
-    missing = entry.missing()
-    if missing:
-        raise Unavailable(
-            f"framework {name!r} is not available here: missing {', '.join(missing)}; {entry.hint()}"
-        )
+    absence = entry.absence()
+    if absence:
+        raise Unavailable(f"framework {name!r} is not available here: {absence}; {entry.hint()}")
     return load(entry.adapter)
 
 

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import psutil
 
-from repro import events, slurm, tracking
+from repro import events, names, slurm, tracking
 from repro.delivery import Delivery
 from repro.runfiles import Outcome, RunFolder
 
 STALE_S = 120.0  # the follower beats every few seconds; this much silence means it is gone
-REASON_TAG = "repro.settled"
 
 
 def follower_lives(sign: dict) -> bool:
@@ -59,16 +58,16 @@ def ending_from_events(run_dir: Path, evidence: str) -> Outcome:
     steps = [e["step"] for e in found if "step" in e]
     last = marks[-1]["event"] if marks else None
     if last == events.END:
-        return Outcome("FINISHED", None, {REASON_TAG: f"the job ended at step {steps[-1]}; its end was "
+        return Outcome("FINISHED", None, {names.SETTLED: f"the job ended at step {steps[-1]}; its end was "
                                                       f"not recorded ({evidence})"})
     if last == events.INTERRUPTED:
         stop = marks[-1]
         reason = f"stopped by {stop['signal']} at step {stop['step']}"
-        return Outcome("KILLED", reason, {REASON_TAG: f"{reason} ({evidence})",
-                                          "repro.interrupted": f"{reason}; continue with: repro run ... --resume {run_dir}"})
+        return Outcome("KILLED", reason, {names.SETTLED: f"{reason} ({evidence})",
+                                          names.INTERRUPTED: f"{reason}; continue with: repro run ... --resume {run_dir}"})
     where = f"after step {steps[-1]}" if steps else "before its first step" if found else "before it started"
     reason = f"the job is gone without an end event, {where} ({evidence})"
-    return Outcome("FAILED", reason, {REASON_TAG: reason})
+    return Outcome("FAILED", reason, {names.SETTLED: reason})
 
 
 def settle_folder(run_dir: Path, stale_s: float = STALE_S) -> str:
@@ -91,7 +90,7 @@ def settle_folder(run_dir: Path, stale_s: float = STALE_S) -> str:
     except Exception as error:  # a server that is away: the folder says what is left, a later settle resumes
         delivery.record_undelivered(error)
         return f"{run_dir}: ends {outcome.status}, not delivered yet: {delivery.state.undelivered}"
-    return f"{run_dir}: ended {outcome.status} ({outcome.tags.get(REASON_TAG, outcome.error or 'as its follower saw it')})"
+    return f"{run_dir}: ended {outcome.status} ({outcome.tags.get(names.SETTLED, outcome.error or 'as its follower saw it')})"
 
 
 def settle(uri: str, run_dirs: list[Path], stale_s: float = STALE_S) -> list[str]:
@@ -100,7 +99,7 @@ def settle(uri: str, run_dirs: list[Path], stale_s: float = STALE_S) -> list[str
         return [settle_folder(run_dir, stale_s) for run_dir in run_dirs]
     lines = []
     for run_id, status, tags in tracking.unfinished_runs(uri):
-        folder = tags.get(f"{tracking.TAG_PREFIX}run_dir")
+        folder = tags.get(names.RUN_DIR)
         if folder and RunFolder(folder).exists():
             lines.append(settle_folder(Path(folder), stale_s))
         else:

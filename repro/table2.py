@@ -21,9 +21,9 @@ from typing import Callable
 
 import yaml
 
-from repro import registry
+from repro import names, registry
 from repro.cell import Cell
-from repro.recipe import configs_dir, load_file, recipe_path
+from repro.recipe import Recipe, configs_dir, load_file, recipe_path
 from repro.schema import RecipeError, build
 
 REPEAT_SEED_STRIDE = 1000  # repeats' master seeds lie this far apart (per-rank seeds derive from them)
@@ -78,9 +78,9 @@ def cell_for(workload: str, row: Row, gpus: int, scale: str, gpus_per_node: int,
     """The cell's recipe: the row's `set` with `{gpus}` and `{tp_per_node}` (GPUs per node unless given)
     filled in; a recipe the framework rejects (tp=2 on 1 GPU) makes the cell not applicable, with why."""
     cell = Cell(workload, row.name, row.framework, gpus)
-    missing = registry.framework(row.framework).missing()
-    if missing:
-        cell.skip = f"unavailable here: missing {', '.join(missing)}"
+    absence = registry.framework(row.framework).absence()
+    if absence:
+        cell.skip = f"unavailable here: {absence}"
         return cell
     nodes = math.ceil(gpus / gpus_per_node)
     fields = [f"run.framework={row.framework}", f"run.gpus={gpus}", f"run.nodes={nodes}"]
@@ -123,7 +123,7 @@ def held_fingerprints(uri: str, experiment: str, retry_failed: bool) -> set[str]
     from repro.report.collect import search_runs
 
     keep = {"FINISHED"} if retry_failed else {"FINISHED", "FAILED"}
-    return {r.data.tags.get("repro.recipe_sha256") for r in search_runs(uri, experiment) if r.info.status in keep}
+    return {r.data.tags.get(names.RECIPE_SHA256) for r in search_runs(uri, experiment) if r.info.status in keep}
 
 
 def cannot_run(cell: Cell, experiment: str) -> str | None:
@@ -179,19 +179,29 @@ def run_matrix(
     out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, int]:
     """Run the cells MLflow lacks and that can run here, one after another, with a progress line per cell."""
+    todo, counts = plan(cells, uri, experiment, retry_failed, out)
+    for cell, (code, refusal) in zip(todo, run_each([(c.label, c.recipe) for c in todo], uri, experiment, out)):
+        counts["ran" if code == 0 else "failed"] += 1
+        cell.skip = refusal
+    return counts
+
+
+def run_each(runs: list[tuple[str, Recipe]], uri: str, experiment: str,
+             out: Callable[[str], None]) -> list[tuple[int, str | None]]:
+    """Run each (label, recipe) in turn with `repro run`'s own path, one progress line each (with the
+    time left at the pace so far); per run, its exit code and why it could not start (None when it did)."""
     from repro import runner
     from repro.data import DataError
 
-    todo, counts = plan(cells, uri, experiment, retry_failed, out)
-    started = time.monotonic()
-    for index, cell in enumerate(todo, 1):
-        begun = time.monotonic()
+    results, started = [], time.monotonic()
+    for index, (label, recipe) in enumerate(runs, 1):
+        begun, refusal = time.monotonic(), None
         try:
-            code = runner.execute(cell.recipe, uri, experiment, echo=lambda line: None, progress=False).returncode
+            code = runner.execute(recipe, uri, experiment, echo=lambda line: None, progress=False).returncode
         except (DataError, registry.Unavailable) as error:
-            code, cell.skip = 1, str(error)
-        counts["ran" if code == 0 else "failed"] += 1
-        left = (time.monotonic() - started) / index * (len(todo) - index)
+            code, refusal = 1, str(error)
+        results.append((code, refusal))
+        left = (time.monotonic() - started) / index * (len(runs) - index)
         state = "done" if code == 0 else f"FAILED (exit {code})"
-        out(f"[{index}/{len(todo)}] {cell.label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   ~{left:4.0f}s left")
-    return counts
+        out(f"[{index}/{len(runs)}] {label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   ~{left:4.0f}s left")
+    return results

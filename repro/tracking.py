@@ -10,11 +10,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from repro import events
+from repro import events, names
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "repro"
-TAG_PREFIX = "repro."
 RETRIES = 12
 SQLITE_PREFIX = "sqlite:///"
 TRANSIENT_SIGNS = ("database is locked", "database table is locked")
@@ -99,31 +98,31 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
     """(key, value, step) triples that one event contributes to MLflow."""
     kind = event["event"]
     if kind == events.STEP and event.get("loss") is not None:
-        return [(events.TRAIN_LOSS, event["loss"], event["step"])]
+        return [(names.TRAIN_LOSS, event["loss"], event["step"])]
     if kind != events.EPOCH:
         return []
     step = event["epoch"] + 1
     # `train`: per-epoch training metrics, from frameworks that report them (LBANN's accuracy).
     out = [(key, value, step) for key, value in {**event.get("train", {}), **event["val"]}.items()]
     out += [
-        (events.EPOCH_TIME, event["epoch_s"], step),
-        (events.ELAPSED, event["elapsed_s"], step),
-        (events.THROUGHPUT, event["samples_per_s"], step),
+        (names.EPOCH_TIME, event["epoch_s"], step),
+        (names.ELAPSED, event["elapsed_s"], step),
+        (names.THROUGHPUT, event["samples_per_s"], step),
     ]
     step_s = event.get("step_s") or {}  # the loop's step-time distribution (absent from LBANN's driver)
-    out += [(events.STEP_TIME.format(k), step_s[k], step) for k in ("median", "p10", "p90", "mean") if step_s.get(k) is not None]
-    out += [(events.STEP_COUNT, step_s["count"], step)] if "count" in step_s else []
+    out += [(names.STEP_TIME.format(k), step_s[k], step) for k in ("median", "p10", "p90", "mean") if step_s.get(k) is not None]
+    out += [(names.STEP_COUNT, step_s["count"], step)] if "count" in step_s else []
     loop_us = event.get("loop_us") or {}  # the loop's own time (absent from LBANN's driver)
-    out += [(key, loop_us[name], step) for key, name in ((events.HARNESS_TIME, "harness"), (events.COUNTERS_TIME, "counters"))
+    out += [(key, loop_us[name], step) for key, name in ((names.HARNESS_TIME, "harness"), (names.COUNTERS_TIME, "counters"))
             if loop_us.get(name) is not None]
     ranks = event["ranks"]
     state = {r["rank"]: r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks}
-    out += [(events.PEAK_MEMORY, max(r["peak_bytes"] for r in ranks), step)]
-    out += [(events.MODEL_STATE, max(state.values()), step)]
+    out += [(names.PEAK_MEMORY, max(r["peak_bytes"] for r in ranks), step)]
+    out += [(names.MODEL_STATE, max(state.values()), step)]
     activations = {r["rank"]: r["activation_peak_bytes"] for r in ranks if "activation_peak_bytes" in r}
     if activations:  # not from frameworks with their own runtime (LBANN)
-        out += [(events.ACTIVATION_PEAK, max(activations.values()), step)]
-        out += [(events.ESTIMATED_PEAK, max(state[rank] + activations[rank] for rank in activations), step)]
+        out += [(names.ACTIVATION_PEAK, max(activations.values()), step)]
+        out += [(names.ESTIMATED_PEAK, max(state[rank] + activations[rank] for rank in activations), step)]
     out += comm_metrics(ranks, step)
     for r in ranks:
         out += [(f"memory/rank{r['rank']}/peak_bytes", r["peak_bytes"], step)]
@@ -136,10 +135,10 @@ def comm_metrics(ranks: list[dict[str, Any]], step: int) -> list[tuple[str, floa
     counted = [r["comm"]["bytes"] for r in ranks if r.get("comm")]
     if not counted:
         return []
-    out = [(events.COMM_BYTES, max(sum(kinds.values()) for kinds in counted), step)]
+    out = [(names.COMM_BYTES, max(sum(kinds.values()) for kinds in counted), step)]
     for kind in sorted({kind for kinds in counted for kind in kinds}):
         name = kind.replace(":", "_")  # MLflow keys allow no colon
-        out += [(events.COMM_KIND_BYTES.format(name), max(kinds.get(kind, 0) for kinds in counted), step)]
+        out += [(names.COMM_KIND_BYTES.format(name), max(kinds.get(kind, 0) for kinds in counted), step)]
     return out
 
 
@@ -190,15 +189,15 @@ class Run:
     def log_events(self, new_events: list[dict[str, Any]]) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
-        facts = [Param(f"adapter.{k}", json.dumps(v)[:6000]) for e in new_events if e["event"] == events.START
+        facts = [Param(f"{names.ADAPTER}{k}", json.dumps(v)[:6000]) for e in new_events if e["event"] == events.START
                  for k, v in e.get("adapter", {}).items()]
-        facts += [Param(f"effective.{k}", str(v)) for e in new_events if e["event"] == events.START
+        facts += [Param(f"{names.EFFECTIVE}{k}", str(v)) for e in new_events if e["event"] == events.START
                   for k, v in e.get("effective", {}).items()]  # what the ranks built (Adapter.pieces)
         if facts:  # the adapter's setup decisions (a computed pipeline balance, say)
             self.client.log_batch(self.run_id, params=facts)
 
         metrics = [Metric(k, float(v), int(e["wall"] * 1000), s) for e in new_events for k, v, s in event_metrics(e)]
-        tags = [RunTag("repro.memory_method", r["method"]) for e in new_events if e["event"] == events.EPOCH for r in e["ranks"][:1]]
+        tags = [RunTag(names.MEMORY_METHOD, r["method"]) for e in new_events if e["event"] == events.EPOCH for r in e["ranks"][:1]]
         for start in range(0, len(metrics), 900):
             self.client.log_batch(self.run_id, metrics=metrics[start : start + 900])
         if tags:
@@ -228,7 +227,7 @@ class Run:
 
     def end(self, status: str, error: str | None = None) -> None:
         if error:
-            self.client.set_tag(self.run_id, "repro.error", error[-4900:])
+            self.client.set_tag(self.run_id, names.ERROR, error[-names.ERROR_CHARS:])
         self.client.set_terminated(self.run_id, status)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from repro import events, launch, tracking
+from repro import events, launch, names, tracking
 from repro.adapters import lbann as translation
 from repro.adapters.lbann_driver import MEMORY_METHOD, Job, epoch_events
 from repro.adapters.lbann_log import GIB, parse, trainer_epochs
@@ -382,8 +382,8 @@ def test_epochs_become_the_loops_events_and_mlflow_metrics() -> None:
     metrics = {key: value for key, value, _ in tracking.event_metrics(epoch)}
     assert metrics["val/accuracy"] == pytest.approx(0.183333)
     assert metrics["train/accuracy"] == pytest.approx(0.115385)
-    assert metrics[events.PEAK_MEMORY] == round(0.902 * GIB)
-    assert metrics[events.MODEL_STATE] == 1600
+    assert metrics[names.PEAK_MEMORY] == round(0.902 * GIB)
+    assert metrics[names.MODEL_STATE] == 1600
     _, epoch = epoch_events(second, 4.21437, steps_per_epoch=45, samples=1433, state_bytes=state)
     assert epoch["elapsed_s"] == pytest.approx(4.21437 + 3.98112)
     assert epoch["ranks"][0]["peak_bytes"] == round(1.25 * GIB)
@@ -418,4 +418,4 @@ def test_driver_writes_lbanns_inputs_and_follows_its_log(tmp_path: Path, monkeyp
     assert epochs[2]["val"] == {"val/loss": 34.3421, "val/accuracy": 0.555}
     assert written[-1]["step"] == 69
     for epoch in epochs:
-        assert {key for key, _, _ in tracking.event_metrics(epoch)} >= {"val/loss", "train/objective", events.EPOCH_TIME}
+        assert {key for key, _, _ in tracking.event_metrics(epoch)} >= {"val/loss", "train/objective", names.EPOCH_TIME}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from repro import events, loop, tracking
+from repro import events, loop, names, tracking
 from repro.data.sets import dataset
 from repro.metrics import WARMUP_STEPS, Stopwatch, step_time_summary
 from repro.recipe import load_file, recipe_path
@@ -130,7 +130,7 @@ def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distributio
     assert 0 < loop_us["harness"] < step_s["mean"] * 1e6
     assert loop_us["counters"] * STEPS >= counter.spent_ns / 1e3 > 0
     metrics = {key: value for key, value, _ in tracking.event_metrics(epoch)}
-    assert (metrics[events.HARNESS_TIME], metrics[events.COUNTERS_TIME]) == (loop_us["harness"], loop_us["counters"])
+    assert (metrics[names.HARNESS_TIME], metrics[names.COUNTERS_TIME]) == (loop_us["harness"], loop_us["counters"])
 
 
 def test_the_counters_time_is_kept_apart_from_the_loops_own(trainer, monkeypatch):

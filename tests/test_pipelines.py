@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.func import functional_call
 
-from repro import events, registry, seeding, tracking
+from repro import names, registry, seeding, tracking
 from repro.adapters import pipeline
 from repro.adapters.base import RunContext
 from repro.optim import make_optimizer
@@ -318,6 +318,6 @@ def test_pipedream_gpt2_smoke_runs_on_cpu_and_reports_the_last_stage(repro):
     assert len(losses) == 6 and None not in losses
     mlflow = tracking.client(repro.tracking_uri)
     run = mlflow.search_runs([tracking.experiment_id(mlflow, tracking.DEFAULT_EXPERIMENT)])[0]
-    logged = [m.value for m in sorted(mlflow.get_metric_history(run.info.run_id, events.TRAIN_LOSS), key=lambda m: m.step)]
+    logged = [m.value for m in sorted(mlflow.get_metric_history(run.info.run_id, names.TRAIN_LOSS), key=lambda m: m.step)]
     assert logged == pytest.approx(losses)
     assert json.loads(run.data.params["adapter.balance"]) == start["adapter"]["balance"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from repro import events, tracking
+from repro import events, names, tracking
 from repro.recipe import load_file, recipe_path
 from repro.report.build import write_reports
 from repro.cell import Cell
@@ -65,7 +65,7 @@ def record(uri: str, cell: Cell) -> None:
              for r in range(cell.gpus)]
     run.log_events([
         {"event": events.EPOCH, "wall": 1.0e9 + epoch, "epoch": epoch, "epoch_s": epoch_s, "elapsed_s": epoch_s * (epoch + 1),
-         "samples_per_s": 1000 / epoch_s, "val": {events.VAL_PERPLEXITY: value}, "ranks": ranks,
+         "samples_per_s": 1000 / epoch_s, "val": {names.VAL_PERPLEXITY: value}, "ranks": ranks,
          "step_s": {"median": epoch_s / 100, "p10": epoch_s / 125, "p90": epoch_s / 80, "mean": epoch_s / 100, "count": 95}}
         for epoch, value in enumerate(curve)
     ])
@@ -205,7 +205,7 @@ def test_communication_and_the_cost_model_check_are_reported(report: Path) -> No
     assert (comm["measured"], comm["modelled"]) == (4 * MIB, modelled.comm_bytes)
     assert "| gpt2 ddp 4g | model_state | 8,388,608 |" in (report / "model_check.md").read_text()
     run = tracking.client(f"sqlite:///{report.parent}/mlflow.db").get_run(checked["gpt2 ddp 4g"]["run_id"])
-    assert run.data.metrics[events.MODEL_CHECK.format("model_state", "bytes")] == modelled.model_state
+    assert run.data.metrics[names.MODEL_CHECK.format("model_state", "bytes")] == modelled.model_state
 
 
 def test_figures_are_written(report: Path) -> None:

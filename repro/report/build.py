@@ -5,7 +5,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from repro.hardware import PAPER_PLATFORMS, this_platform
+from repro import names
+from repro.hardware import PAPER_PLATFORMS, cpu_cores, this_platform
 from repro.report import answers, figures, findings, model_check, tables
 from repro.report.collect import Result, collect
 from repro.cell import Cell
@@ -27,7 +28,7 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     checked = model_check.checks(results)
     paths += model_check.write(folder, checked, uri)
     predict = predict or model_check.paper_predictor(checked)
-    parity, cores = read_parity(folder), cores or findings.available_cores()
+    parity, cores = read_parity(folder), cores or cpu_cores()
     verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict)
     answered = answers.answer(findings.Results(results, cores, parity, predict))
     (folder / "findings.md").write_text(answers.markdown(answered) + "\n" + findings.markdown(verdicts))
@@ -48,7 +49,7 @@ def log_report_run(uri: str, experiment: str, scale: str, paths: list[Path], res
     """One MLflow run gathering the matrix: every report file, and the run id of each cell."""
     from repro import tracking
 
-    run = tracking.Run.create(uri, experiment, f"{REPORT_RUN}-{scale}", {"repro.report": "table2", "repro.scale": scale}, {})
+    run = tracking.Run.create(uri, experiment, f"{REPORT_RUN}-{scale}", {names.REPORT: "table2", names.SCALE: scale}, {})
     for path in paths:
         run.log_artifact(path)
     run.log_dict({r.cell.label: {"status": r.status, "run_id": r.run_id} for r in results}, "cells.json")

@@ -8,11 +8,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from repro import events
+from repro import names
 from repro.cell import Cell
 from repro.report import settings as run_settings
 
-METRIC = {"gpt2": (events.VAL_PERPLEXITY, False), "vgg16": (events.VAL_ACCURACY, True)}  # (key, higher is better)
+METRIC = {"gpt2": (names.VAL_PERPLEXITY, False), "vgg16": (names.VAL_ACCURACY, True)}  # (key, higher is better)
 
 
 @dataclass
@@ -156,7 +156,7 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
     mlflow_client = client(uri)
     newest: dict[str, Any] = {}
     for run in search_runs(uri, experiment):  # newest first
-        key = run.data.tags.get("repro.recipe_sha256")
+        key = run.data.tags.get(names.RECIPE_SHA256)
         if key not in newest or (run.info.status == "FINISHED" and newest[key].info.status != "FINISHED"):
             newest[key] = run
     results = []
@@ -171,21 +171,21 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
         key, _ = METRIC[cell.workload]
         run_id = run.info.run_id
         results.append(Result(
-            cell, run.info.status, error=run.data.tags.get("repro.error", ""), run_id=run_id,
+            cell, run.info.status, error=run.data.tags.get(names.ERROR, ""), run_id=run_id,
             target=cell.recipe.train.target_metric,
-            epoch_s=history(mlflow_client, run_id, events.EPOCH_TIME),
-            elapsed_s=history(mlflow_client, run_id, events.ELAPSED),
+            epoch_s=history(mlflow_client, run_id, names.EPOCH_TIME),
+            elapsed_s=history(mlflow_client, run_id, names.ELAPSED),
             val=history(mlflow_client, run_id, key),
-            throughput=history(mlflow_client, run_id, events.THROUGHPUT),
-            peak_bytes=run.data.metrics.get(events.PEAK_MEMORY),
-            model_state_bytes=run.data.metrics.get(events.MODEL_STATE),
-            activation_bytes=run.data.metrics.get(events.ACTIVATION_PEAK),
-            estimated_peak_bytes=run.data.metrics.get(events.ESTIMATED_PEAK),
-            comm_bytes=run.data.metrics.get(events.COMM_BYTES),
+            throughput=history(mlflow_client, run_id, names.THROUGHPUT),
+            peak_bytes=run.data.metrics.get(names.PEAK_MEMORY),
+            model_state_bytes=run.data.metrics.get(names.MODEL_STATE),
+            activation_bytes=run.data.metrics.get(names.ACTIVATION_PEAK),
+            estimated_peak_bytes=run.data.metrics.get(names.ESTIMATED_PEAK),
+            comm_bytes=run.data.metrics.get(names.COMM_BYTES),
             facts={k.removeprefix("adapter."): json.loads(v) for k, v in run.data.params.items() if k.startswith("adapter.")},
             settings=run_settings.from_params(run.data.params, cell.recipe),
-            memory_method=run.data.tags.get("repro.memory_method", ""),
-            resumed_from_step=run.data.tags.get("repro.resumed_from_step", ""),
-            step_s={k: history(mlflow_client, run_id, events.STEP_TIME.format(k)) for k in ("median", "p10", "p90")},
+            memory_method=run.data.tags.get(names.MEMORY_METHOD, ""),
+            resumed_from_step=run.data.tags.get(names.RESUMED_FROM_STEP, ""),
+            step_s={k: history(mlflow_client, run_id, names.STEP_TIME.format(k)) for k in ("median", "p10", "p90")},
         ))
     return fold_repeats(results)

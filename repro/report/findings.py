@@ -8,13 +8,13 @@ optimizers measure the optimizers), or `not enough data` when cells are missing.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
+from repro.hardware import cpu_cores
 from repro.recipe import configs_dir
 from repro.report import settings as run_settings
 from repro.report.collect import METRIC, Result, not_separable
@@ -33,10 +33,6 @@ class Finding:
 
 def thresholds_path() -> Path:
     return configs_dir() / "findings.yaml"
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass
@@ -499,7 +495,7 @@ def judge(results: list[Result], path: Path | None = None, parity: list[dict[str
     """Every finding's verdict; `parity`: the parity report's rows, `cores`: this machine's (default),
     `predict`: the cost model at paper scale (none: the findings say that predictions are not available)."""
     thresholds = yaml.safe_load((path or thresholds_path()).read_text())
-    indexed = Results(results, cores or available_cores(), parity, predict)
+    indexed = Results(results, cores or cpu_cores(), parity, predict)
     findings = []
     for key, check in CHECKS.items():
         verdict, notes = check(indexed, thresholds[key])

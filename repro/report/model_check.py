@@ -4,7 +4,7 @@ For each cell, model state (memory/model_state_bytes), activation peak (memory/a
 and payload per step (comm/bytes_per_step), busiest rank, against repro.costmodel's figure for the
 cell's recipe, with the relative error and the bound it is held to (costmodel.BOUNDS). A cell whose
 framework has no model, or a quantity the model leaves open, says so instead of a verdict. The model's
-figure and error are also logged on the cell's own MLflow run (events.MODEL_CHECK).
+figure and error are also logged on the cell's own MLflow run (names.MODEL_CHECK).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from repro import costmodel, events
+from repro import costmodel, names
 from repro.report.collect import Result
 from repro.report.findings import Prediction, Predictor
 
@@ -100,8 +100,8 @@ def log(uri: str, checked: list[dict[str, Any]]) -> None:
         values = {}
         for row in cell.get("rows", []):
             if row["modelled"] is not None:
-                values[events.MODEL_CHECK.format(row["quantity"], "bytes")] = row["modelled"]
+                values[names.MODEL_CHECK.format(row["quantity"], "bytes")] = row["modelled"]
             if row["error"] is not None:
-                values[events.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
+                values[names.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
         if values:
             tracking.Run.connect(uri, cell["run_id"]).log_values(values)

@@ -11,13 +11,12 @@ import os
 import time
 from typing import Callable
 
-from repro import delivery, events
+from repro import delivery, events, names
 from repro.run.progress import Progress
 from repro.run.supervision import POLL_S, Job
 from repro.run.torchrun_failure import describe_failure
 from repro.runfiles import Outcome, RunFolder
 
-ERROR_CHARS = 4800  # what of a failure's message fits in the repro.error tag (MLflow keeps 5000)
 HEARTBEAT_S = 5  # how often the follower says it is alive (RUN_DIR/heartbeat.json)
 # After the job: how long the follower keeps trying to deliver the rest before leaving it to `repro sync`
 DELIVERY_BUDGET_S = float(os.environ.get("REPRO_DELIVERY_BUDGET_S", 60))
@@ -79,7 +78,7 @@ def ending(job: Job, interrupted: dict | None, folder: RunFolder) -> Outcome:
         if interrupted:
             then = (f"no checkpoint: {interrupted['no_checkpoint']}" if interrupted.get("no_checkpoint")
                     else f"continue with: repro run ... --resume {folder.path}")
-            outcome.tags["repro.interrupted"] = f"{interrupted['signal']} at step {interrupted['step']}; {then}"
+            outcome.tags[names.INTERRUPTED] = f"{interrupted['signal']} at step {interrupted['step']}; {then}"
         return outcome
-    error, rank = describe_failure(job.output.read_text(errors="replace"), job.returncode, ERROR_CHARS)
-    return Outcome("FAILED", error, {"repro.failed_rank": rank} if rank is not None else {})
+    error, rank = describe_failure(job.output.read_text(errors="replace"), job.returncode, names.ERROR_CHARS)
+    return Outcome("FAILED", error, {names.FAILED_RANK: rank} if rank is not None else {})

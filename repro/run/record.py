@@ -1,38 +1,33 @@
 """The MLflow run of a run, as the parent writes it: tags and params at the start, reopened on resume.
 
 What the job then does reaches the run through its folder (repro.delivery); how it ended, through
-the follower's outcome. The tags a run's end records are listed here, because a resumed run starts
-without them.
+the follower's outcome. The names of tags and params are in repro.names.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from repro import doctor, registry, tracking
+from repro import doctor, names, registry, tracking
 from repro.data import Verified
 from repro.recipe import Recipe
 from repro.runfiles import Position
 
-# what a run's end records about that end; a resumed run starts without them
-END_TAGS = ("repro.error", "repro.interrupted", "repro.failed_rank", "repro.settled")
-
-
 def run_tags(recipe: Recipe, data: Verified, run_dir: Path, ignore_memory: bool = False) -> dict[str, str]:
     tags = {
-        "model": recipe.workload, "framework": recipe.run.framework, "gpus": recipe.run.gpus,
-        "nodes": recipe.run.nodes, "scale": recipe.scale, "seed": recipe.seed,
-        "recipe_sha256": recipe.fingerprint(), "data_sha256": data.sha256, "data_check": data.check,
-        "git_sha": doctor.git_sha(), "run_dir": run_dir,
+        names.MODEL: recipe.workload, names.FRAMEWORK: recipe.run.framework, names.GPUS: recipe.run.gpus,
+        names.NODES: recipe.run.nodes, names.SCALE: recipe.scale, names.SEED: recipe.seed,
+        names.RECIPE_SHA256: recipe.fingerprint(), names.DATA_SHA256: data.sha256, names.DATA_CHECK: data.check,
+        names.GIT_SHA: doctor.git_sha(), names.RUN_DIR: run_dir,
     }
     if recipe.run.allow_unverified:
-        tags["unverified_data"] = "true"
+        tags[names.UNVERIFIED_DATA] = "true"
     if ignore_memory:
-        tags["ignored_memory_check"] = "true"
+        tags[names.IGNORED_MEMORY_CHECK] = "true"
     image = doctor.image()
     if image:
-        tags["image"] = image
-    source = {tracking.SOURCE_NAME: recipe.source, tracking.SOURCE_TYPE: "LOCAL", tracking.SOURCE_COMMIT: tags["git_sha"]}
-    return {**{f"{tracking.TAG_PREFIX}{k}": str(v) for k, v in tags.items()}, **source}
+        tags[names.IMAGE] = image
+    source = {tracking.SOURCE_NAME: recipe.source, tracking.SOURCE_TYPE: "LOCAL", tracking.SOURCE_COMMIT: tags[names.GIT_SHA]}
+    return {**{k: str(v) for k, v in tags.items()}, **source}
 
 
 def run_params(recipe: Recipe) -> dict[str, str]:
@@ -42,7 +37,7 @@ def run_params(recipe: Recipe) -> dict[str, str]:
     if recipe.optimizer() is not recipe.train.optimizer:  # the framework's section overrides the workload's
         params = {k: v for k, v in params.items() if not k.startswith("train.optimizer.")}
     effective = registry.adapter_class(recipe.run.framework).effective(recipe)
-    return {**params, **{f"effective.{k}": str(v) for k, v in effective.items()}}
+    return {**params, **{f"{names.EFFECTIVE}{k}": str(v) for k, v in effective.items()}}
 
 
 def create(recipe: Recipe, uri: str, experiment: str, data: Verified, run_dir: Path, status: str,
@@ -63,23 +58,23 @@ def log_inputs(run: tracking.Run, recipe_file: Path) -> None:
 def reopen(uri: str, run_id: str, status: str) -> tracking.Run:
     """A stopped run, in `status` again, without the tags of its last end."""
     run = tracking.Run.reopen(uri, run_id, status)
-    run.delete_tags(END_TAGS)
+    run.delete_tags(names.END_TAGS)
     return run
 
 
 def mark_resumed(run: tracking.Run, position: Position) -> None:
-    run.set_tag("repro.resumed", "true")
-    run.set_tag("repro.resumed_from_step", str(position.step))
+    run.set_tag(names.RESUMED, "true")
+    run.set_tag(names.RESUMED_FROM_STEP, str(position.step))
 
 
 def mark_extended(run: tracking.Run, recipe: Recipe, epochs: int, at: Position, recipe_file: Path) -> None:
     """MLflow keeps the first value of a param, so the tags say what the run became."""
-    run.set_tag("repro.extended", f"train.epochs {epochs} -> {recipe.train.epochs} at step {at.step}")
-    run.set_tag(f"{tracking.TAG_PREFIX}recipe_sha256", recipe.fingerprint())
+    run.set_tag(names.EXTENDED, f"train.epochs {epochs} -> {recipe.train.epochs} at step {at.step}")
+    run.set_tag(names.RECIPE_SHA256, recipe.fingerprint())
     run.log_artifact(recipe_file)
 
 
 def mark_submitted(run: tracking.Run, job_ids: list[str]) -> None:
-    """The Slurm jobs of the run, in order; repro.slurm_job_id names the latest."""
-    run.set_tag("repro.slurm_job_id", job_ids[-1])
-    run.set_tag("repro.slurm_job_ids", ",".join(job_ids))
+    """The Slurm jobs of the run, in order, and the latest."""
+    run.set_tag(names.SLURM_JOB_ID, job_ids[-1])
+    run.set_tag(names.SLURM_JOB_IDS, ",".join(job_ids))

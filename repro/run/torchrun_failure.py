@@ -17,6 +17,7 @@ SUMMARY_END = re.compile(r"^=+$", re.MULTILINE)
 # C++ stack frames that c10d appends to an error ("frame #3: c10d::... + 0x1f"): noise in repro.error
 STACK_FRAME = re.compile(r"^.*frame #\d+: .*\n?", re.MULTILINE)
 TAIL_LINES = 80  # of the job's output, after the summary
+TAIL_HEADING = "\nlast output of the job:\n"
 
 
 def describe_failure(output: str, returncode: int | None, limit: int) -> tuple[str, str | None]:
@@ -34,5 +35,5 @@ def describe_failure(output: str, returncode: int | None, limit: int) -> tuple[s
         end = SUMMARY_END.search(output, cause.end())
         summary = output[heading:end.start() if end else cause.end()].rstrip()
         head = f"rank {rank} (local rank {local_rank}) failed with exit code {code}\n{summary}"
-    room = max(limit - len(head), 0)
-    return f"{head}\nlast output of the job:\n{tail[-room:] if room else ''}", rank
+    room = max(limit - len(head) - len(TAIL_HEADING), 0)
+    return f"{head}{TAIL_HEADING}{tail[-room:] if room else ''}", rank
