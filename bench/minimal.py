@@ -1,7 +1,7 @@
 """The baseline of the harness-overhead benchmark: the smoke GPT-2 trained by a minimal loop
 written directly on the framework's API (DDP or DeepSpeed ZeRO), with the kit's model (its weights,
 from the model seed of the kit's seed table), data (in its data-order seed's order, fetched as the kit
-fetches it: repro.loop.batches), batch, sampler,
+fetches it: repro.batches.batches), batch, sampler,
 optimizer, DeepSpeed configuration and deterministic kernels (the recipe's seed policy, which
 every framework runs under: about 3% of a one-process smoke GPT-2 step on CPU, a cost of the policy,
 not of the loop) but none of its loop: no loss read, no stop vote, no events, no checkpoints.
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from repro import seeding
 from repro.data.sets import dataset
-from repro.loop import GlobalBatches, batches
+from repro.batches import GlobalBatches, batches
 from repro.optim import make_optimizer
 from repro.recipe import Recipe, load_file, recipe_path
 from repro.workloads.gpt2 import GPT2Workload

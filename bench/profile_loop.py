@@ -29,6 +29,7 @@ from minimal import STEP_BUILDERS, build_model, timed_steps
 from paired import fresh_run
 
 from repro import events, loop, metrics
+from repro.batches import InProcessBatches
 from repro.data.sets import dataset
 from repro.recipe import load_file, recipe_path
 from repro.runfiles import RunFolder
@@ -56,7 +57,7 @@ def direct_callees(profile: cProfile.Profile, module: str, caller: str) -> list[
 
 # What the loop calls between steps, by owner and attribute name (the loader's iterator: both loops')
 PIECES = {
-    "next batch (sampler, fetch, collate)": (loop.InProcessBatches, "__iter__"),
+    "next batch (sampler, fetch, collate)": (InProcessBatches, "__iter__"),
     "loss window (log_losses)": (loop.Trainer, "log_losses"),
     "stop vote (stop_agreed)": (loop.Trainer, "stop_agreed"),
     "max-steps check (done)": (loop.Trainer, "done"),
@@ -80,7 +81,7 @@ def timed_pieces() -> dict[str, list[int]]:
                 _spent[1] += 1
                 _spent[2] += time.thread_time_ns() - cpu
 
-        def timed_batches(batches: loop.InProcessBatches, _original=original, _spent=spent[name]) -> Iterator:
+        def timed_batches(batches: InProcessBatches, _original=original, _spent=spent[name]) -> Iterator:
             inner = _original(batches)
             while True:
                 started, cpu = time.perf_counter_ns(), time.thread_time_ns()

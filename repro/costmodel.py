@@ -173,7 +173,7 @@ def megatron_elements(shape: GPT2Shape, tp: int) -> int:
     whole on every rank); position embedding and final layer norm whole."""
     d = shape.d_model
     layer = 4 * d + (3 * d * d + 3 * d) // tp + d * d // tp + d + (4 * d * d + 4 * d) // tp + 4 * d * d // tp + d
-    rows = -(-shape.vocab // tp)  # the vocabulary padded to a multiple of tp (repro.adapters.megatron.padded_vocab)
+    rows = -(-shape.vocab // tp)  # the vocabulary padded to a multiple of tp (repro.adapters.megatron_model.padded_vocab)
     return rows * d + shape.seq_len * d + shape.n_layer * layer + 2 * d
 
 

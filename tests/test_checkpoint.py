@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from repro import checkpoint
-from repro.loop import GlobalBatches
+from repro.batches import GlobalBatches
 from repro.runfiles import Position, RunFolder
 
 

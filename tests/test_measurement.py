@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from repro import events, loop, names, tracking
+from repro import batches, events, loop, names, tracking
 from repro.data.sets import dataset
 from repro.metrics import WARMUP_STEPS, Stopwatch, step_time_summary
 from repro.recipe import load_file, recipe_path
@@ -154,8 +154,8 @@ def test_the_counters_time_is_kept_apart_from_the_loops_own(trainer, monkeypatch
 
 def test_in_process_batches_are_the_data_loaders(trainer):
     """The loop fetches batches without a DataLoader when it has no workers: the same tensors, bit for bit."""
-    sampler = loop.GlobalBatches(len(trainer.train_set), 16, (1, 2), seed=7, epoch=2)
-    ours = list(loop.batches(trainer.train_set, sampler, workers=0))
+    sampler = batches.GlobalBatches(len(trainer.train_set), 16, (1, 2), seed=7, epoch=2)
+    ours = list(batches.batches(trainer.train_set, sampler, workers=0))
     theirs = list(torch.utils.data.DataLoader(trainer.train_set, batch_sampler=sampler))
     assert len(ours) == len(theirs) == len(sampler) == 20
     assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(ours, theirs))

@@ -20,7 +20,8 @@ import torch
 from conftest import REPO, Repro, Result
 from repro import tracking
 from repro.adapters import megatron_cpu
-from repro.adapters.megatron import MegatronAdapter, qkv_by_head
+from repro.adapters.megatron import MegatronAdapter
+from repro.adapters.megatron_model import qkv_by_head
 from repro.runfiles import RUN_FILE
 from repro.recipe import load_file, recipe_path
 from repro.run.preflight import verify_data

@@ -1,0 +1,157 @@
+"""`repro table2`, `repro parity` and `repro predict`: the comparison matrix, its parity section and
+the cost model's predictions, as commands (the work is in repro.table2, repro.parity, repro.predictions)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from repro.cli_base import MODELS, SCALES, fail
+
+
+@click.command()
+@click.option("--scale", type=click.Choice(SCALES), default="smoke", show_default=True)
+@click.option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+@click.option("--experiment", help="MLflow experiment (default: table2-SCALE).")
+@click.option("--reports", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"), show_default=True)
+@click.option("--gpus-per-node", type=int, help="GPUs per node when spreading the paper's GPU counts over nodes.")
+@click.option("--retry-failed", is_flag=True, help="Run again the cells whose last run failed.")
+@click.option("--reports-only", is_flag=True, help="Write the reports from MLflow without running anything.")
+@click.option("--rows", help="Comma-separated framework rows to keep (default: all rows of the matrix).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field in every cell's recipe.")
+@click.option("--dry-run", is_flag=True,
+              help="Check every cell and print the plan (held, to run, cannot run here and why); run and write nothing.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs per cell, each with its own seed (the recipe's, then +1000, +2000, ...); the reports "
+                   "give each cell's median and 95% interval and compare times only where intervals separate.")
+def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports: Path, gpus_per_node: int | None,
+           retry_failed: bool, reports_only: bool, rows: str | None, overrides: tuple[str, ...], dry_run: bool,
+           repeats: int) -> None:
+    """Re-run the paper's comparison matrix and write Table 2, figures and findings.
+
+    \b
+    Runs every cell (workload x framework x GPU count, configs/table2.yaml) that MLflow does not
+    already hold for the same recipe fingerprint, so an interrupted matrix resumes and a second
+    call only rebuilds reports/: table2_platforms.*, results.{md,csv,tex}, *.png, findings.md.
+    Every cell is checked first (recipe, data present and verified, devices or a launcher that
+    provides them); a cell that cannot run here gets one line with the reason and the fixing command,
+    and the reports carry that reason.
+    """
+    from repro import tracking
+    from repro import table2 as matrix_module
+    from repro.report.build import write_reports
+
+    uri = tracking.tracking_uri(tracking_uri)
+    experiment = experiment or f"table2-{scale}"
+    try:
+        matrix = matrix_module.load_matrix(rows=rows.split(",") if rows else None)
+    except KeyError as error:
+        fail(error.args[0])
+    cells = matrix_module.expand(matrix, scale, list(overrides), gpus_per_node, repeats)
+    if dry_run:
+        todo, _ = matrix_module.plan(cells, uri, experiment, retry_failed)
+        for cell in todo:
+            click.echo(f"{cell.label:<28} to run")
+        return
+    if not reports_only:
+        counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed)
+        click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
+                   f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
+    if scale == "smoke" and not rows:  # the parity section: its report also feeds the findings
+        from repro import parity as parity_module
+
+        found = [row for model in ("gpt2", "vgg16")
+                 for row in parity_module.run_parity(model, scale, uri, f"parity-{scale}", execute=not reports_only)]
+        partings = parity_module.matrix_partings(uri, experiment, scale)
+        for path in parity_module.write(found, reports, parity_module.STEPS, partings):
+            click.echo(str(path))
+    for path in write_reports(cells, uri, experiment, reports, scale):
+        click.echo(str(path))
+
+
+@click.command()
+@click.option("--model", type=click.Choice(MODELS), default="gpt2", show_default=True)
+@click.option("--scale", type=click.Choice(SCALES), default="smoke", show_default=True)
+@click.option("--steps", type=int, default=4, show_default=True, help="Training steps compared per configuration.")
+@click.option("--configs", help="Comma-separated configurations to keep (default: all; see the report's first column).")
+@click.option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+@click.option("--experiment", help="MLflow experiment (default: parity-SCALE).")
+@click.option("--reports", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"), show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field in every recipe.")
+def parity(model: str, scale: str, steps: int, configs: str | None, tracking_uri: str | None, experiment: str | None,
+           reports: Path, overrides: tuple[str, ...]) -> None:
+    """Train every framework that runs here for a few steps against one plain PyTorch process.
+
+    \b
+    Same global batch, seed, data order and optimizer (Adam; SGD for LBANN) for all: DDP on 2 and
+    4 GPUs, ZeRO 1/2/3, FSDP, Megatron tp=2 and tp=2 x dp=2, torchgpipe, PyTorch's pipeline
+    schedules, PipeDream with 1 stage (exact) and 2 (staleness, measured); for vgg16 the
+    data-parallel frameworks and torchgpipe (Megatron targets transformers). Writes
+    reports/parity.{md,json}: the largest per-step loss difference of each, the tolerance
+    (fp32 on CPU: 1e-5) and pass or FAIL. Exit code 1 when any configuration fails.
+
+    \b
+    Examples:
+      repro parity
+      repro parity --configs ddp-2,zero-3 --steps 8
+    """
+    from repro import parity as parity_module
+    from repro import tracking
+
+    names = configs.split(",") if configs else None
+    valid = [c.name for c in parity_module.CONFIGS]
+    unknown = [name for name in names or [] if name not in valid]
+    if unknown:
+        fail(f"unknown configuration {unknown[0]!r}; valid: {', '.join(valid)}")
+    found = parity_module.run_parity(model, scale, tracking.tracking_uri(tracking_uri), experiment or f"parity-{scale}",
+                                     steps, names, list(overrides))
+    for path in parity_module.write(found, reports, steps):
+        click.echo(str(path))
+    broken = parity_module.failed(found)
+    if broken:
+        fail(f"parity fails for {', '.join(r.name for r in broken)} (see {reports / 'parity.md'})", 1)
+
+
+@click.command()
+@click.option("--scale", type=click.Choice(SCALES), default="paper", show_default=True, help="The matrix's scale.")
+@click.option("--model", "models", type=click.Choice(MODELS), multiple=True, help="Only this workload (repeatable).")
+@click.option("--gpu-memory", "gpu_memory", multiple=True, metavar="[NAME=]SIZE",
+              help="A device to check fits against, e.g. 16GiB or V100=16GiB (repeatable; default: "
+                   "V100-16GB, A100-40GB, H100-80GB, H200-141GB).")
+def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) -> None:
+    """Memory per GPU and communication per step of every Table 2 cell, predicted by the cost model.
+
+    \b
+    Model state, activations and their sum (the estimated peak, without the allocator's cache and
+    communication scratch) per GPU, the payload each GPU hands to communication per step, and on
+    which devices the estimated peak fits. The model is checked against counted runs at smoke scale
+    (reports/model_check.md); 16-bit activations and GPU-only paths are unchecked. Imports no torch.
+
+    \b
+    Examples:
+      repro predict
+      repro predict --model gpt2 --gpu-memory 24GiB
+    """
+    from repro.hardware import GPU_MEMORY_GIB
+    from repro.predictions import matrix_predictions
+
+    devices = dict(GPU_MEMORY_GIB)
+    if gpu_memory:
+        devices = {}
+        for text in gpu_memory:
+            name, _, size = text.rpartition("=")
+            if not size.lower().endswith("gib") or not size[:-3].replace(".", "", 1).isdigit():
+                fail(f"--gpu-memory: {text!r} is not [NAME=]SIZE in GiB, e.g. 16GiB or V100=16GiB")
+            devices[name or size] = float(size[:-3])
+    def gib(size: float | None) -> str:
+        return "-" if size is None else f"{size / 2**30:.2f}"
+
+    for workload in models or MODELS:
+        click.echo(f"{workload}, {scale} scale: per GPU, GiB; communication MiB per step (payload handed)")
+        click.echo(f"  {'row':<16}{'gpus':>5}{'state':>9}{'activ.':>9}{'peak':>9}{'comm':>10}  fits")
+        for entry in matrix_predictions(workload, scale):
+            p = entry["prediction"]
+            fits = [name for name, size in devices.items() if p.fit_bytes <= size * 2**30]
+            note = "" if p.estimated_peak is not None else " (by model state: activations not modelled)"
+            click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{gib(p.model_state):>9}{gib(p.activations):>9}"
+                       f"{gib(p.estimated_peak):>9}{p.comm_bytes / 2**20:>10.1f}  {', '.join(fits) or 'none'}{note}")
