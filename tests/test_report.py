@@ -153,7 +153,8 @@ def test_findings_follow_the_recorded_numbers(report: Path) -> None:
 def test_findings_say_what_this_machine_cannot_show(report: Path) -> None:
     """One core: 2 processes measure contention; runs without activation counts cannot show activation memory."""
     from repro.report.collect import collect
-    from repro.report.findings import NOT_TESTABLE, judge
+    from repro.report.evidence import NOT_TESTABLE
+    from repro.report.findings import judge
 
     results = collect(cells(), f"sqlite:///{report.parent}/mlflow.db", "table2-test")
     for r in results:
@@ -255,7 +256,8 @@ def test_megatron_per_epoch_and_hybrid_findings_follow_the_recorded_numbers(repo
 
 def test_hybrid_without_timing_rests_on_memory_and_the_cost_models_predictions(report: Path) -> None:
     from repro.report.collect import collect
-    from repro.report.findings import Prediction, judge
+    from repro.report.evidence import Prediction
+    from repro.report.findings import judge
 
     results = collect(cells(), f"sqlite:///{report.parent}/mlflow.db", "table2-test")
     comm = {"megatron-hybrid": 3.0, "megatron-intra": 9.0, "ddp": 4.0}
@@ -277,7 +279,7 @@ def test_research_questions_are_answered_from_the_runs(report: Path) -> None:
     """Each answer has 2-4 sentences, each with its evidence; altered runs give altered answers."""
     from repro.report.answers import MEASURED, NOT_TESTABLE, PREDICTED, answer
     from repro.report.collect import collect
-    from repro.report.findings import Prediction, Results
+    from repro.report.evidence import Prediction, Results
 
     written = json.loads((report / "findings.json").read_text())["research_questions"]
     assert [a["key"] for a in written] == ["RQ1", "RQ2", "RQ3", "RQ4", "RQ5"]

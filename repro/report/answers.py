@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from repro.report import settings as run_settings
-from repro.report.collect import Result
 import yaml
 
-from repro.report.findings import Results, mib, thresholds_path
+from repro.report import settings as run_settings
+from repro.report.collect import Result
+from repro.report.evidence import Results, mib, thresholds_path
 
 MEASURED, PREDICTED, NOT_TESTABLE = "measured here", "predicted at paper scale", "not testable here"
 FAMILIES = {  # the paper's three kinds of parallelism, and its hybrid, by matrix row

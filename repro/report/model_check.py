@@ -14,7 +14,7 @@ from typing import Any
 
 from repro import costmodel, events
 from repro.report.collect import Result
-from repro.report.findings import Prediction, Predictor
+from repro.report.evidence import Prediction, Predictor
 
 QUANTITY_METRIC = {"model_state": "model_state_bytes", "activations": "activation_bytes", "comm": "comm_bytes"}
 
