@@ -8,7 +8,7 @@ optimizers measure the optimizers), or `not enough data` when cells are missing.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,11 +28,16 @@ def available_cores() -> int:
 
 @dataclass
 class Prediction:
-    """A cost model's figures for one paper-scale cell (the modelling issue's model), with its error
-    where checked against this machine's measurements at smoke scale."""
+    """A cost model's figures for one paper-scale cell (the modelling issue's model), with the model's
+    errors against this machine's counters in the same matrix row's smoke cells."""
     memory_bytes: float | None  # per GPU
     comm_bytes: float | None  # sent per GPU per training step
-    error: str  # e.g. "memory within 4% of the smoke measurements (reports/model_check.md)"
+    errors: dict[str, float] = field(default_factory=dict)  # quantity -> largest relative error of the row's cells
+    checked_cells: int = 0  # how many of the row's smoke cells were counted against the model
+
+
+# what each predicted figure is checked by: repro.costmodel.compare's quantities
+MEMORY_CHECKS, COMM_CHECKS = ("model_state", "activations"), ("comm",)
 
 
 Predictor = Callable[[str, str, int], "Prediction | None"]  # (workload, matrix row, GPUs) at paper scale

@@ -47,7 +47,7 @@ def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
             verdicts.append(HOLDS if grows else FAILS)
             notes.append(f"{w}: saving {'grows' if grows else 'does not grow'} with GPUs "
                          f"({' -> '.join(f'{s:.0%}' for s in savings)})")
-    notes += zero_memory_predicted(res.workloads, t["from_gpus"], (low, high))
+    notes += zero_memory_predicted(res, t["from_gpus"], (low, high))
     return combine(verdicts), notes
 
 
