@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from repro.partition import balance
 from repro.shapes import GPT2Shape, VGG16Shape, dim0_sharded, parameters, shape_of, tensor_at, tensor_count
 
 FP32 = 4
@@ -29,6 +30,7 @@ ACTIVATION_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 # optimizer state per parameter element, and per parameter tensor (torch.optim.Adam(W)'s `step` is a
 # 4-byte tensor per parameter; timm's Lamb keeps its step in the param group)
 OPTIMIZER_STATE = {"adam": (2 * FP32, FP32), "adamw": (2 * FP32, FP32), "lamb": (2 * FP32, 0), "sgd": (FP32, 0)}
+PIPEDREAM_HEADER = 8 * 8  # repro.adapters.pipedream.HEADER int64 slots before each activation
 DEEPSPEED_ALIGNMENT = 2  # deepspeed/runtime/zero/stage_1_and_2.py: nccl_start_alignment_factor (x dp size)
 # the checked bounds (issue 29): model state and communication exact to 1%, activations to 5%
 BOUNDS = {"model_state": 0.01, "activations": 0.05, "comm": 0.01}
@@ -249,7 +251,8 @@ def megatron(cell: Cell) -> Prediction:
 def torchgpipe(cell: Cell) -> Prediction:
     """torchgpipe (one process, k partitions): per partition the layers it holds, their `.grad` and
     optimizer state (the busiest partition); every micro-batch hands its activation across each
-    boundary and its gradient back, chunks_per_gpu x k micro-batches of batch_per_gpu samples."""
+    boundary and its gradient back, chunks_per_gpu x k micro-batches of batch_per_gpu samples; a
+    partition's count holds both of its boundaries (repro.communication.BoundaryCounter)."""
     layers, k = cell.shape.layer_tensors(), cell.gpus
     if len(layers) < k:
         raise ValueError(f"torchgpipe: {len(layers)} layers cannot fill {k} partitions")
@@ -258,10 +261,84 @@ def torchgpipe(cell: Cell) -> Prediction:
     shares = [sum(map(sum, part)) + (cell.shape.tied_elements() if index == k - 1 and k > 1 else 0)
               for index, part in enumerate(split(layers, balance))]
     busiest = max(shares)
-    boundary = FP32 * cell.shape.boundary_elements(cell.batch_per_gpu) * chunks if isinstance(cell.shape, GPT2Shape) else 0
-    sides = 2 if k > 2 else 1  # a middle partition joins two boundaries
-    comm = {"boundary:activation": sides * boundary, "boundary:gradient": sides * boundary} if k > 1 else {}
+    crossing = [FP32 * chunks * elements for elements in cut_outputs(cell.shape, balance, cell.batch_per_gpu)]
+    joined = max(sum(stage_cuts(crossing, stage)) for stage in range(k))
+    comm = {"boundary:activation": joined, "boundary:gradient": joined} if k > 1 else {}
     return Prediction(FP32 * busiest, FP32 * busiest, optimizer_bytes(cell, busiest, 0), None, comm)
+
+
+def cut_outputs(shape: GPT2Shape | VGG16Shape, sizes: list[int], batch: int) -> list[int]:
+    """Elements handed across each cut between consecutive stages of `sizes` layers: the output of the
+    layer before the cut, at `batch` samples."""
+    outputs = shape.output_elements(batch)
+    return [outputs[sum(sizes[: index + 1]) - 1] for index in range(len(sizes) - 1)]
+
+
+def stage_cuts(crossing: list[int], stage: int) -> list[int]:
+    """The cuts stage `stage` joins: the one before it (received forward, sent back in backward) and the
+    one after it (sent forward, received back)."""
+    return [crossing[cut] for cut in (stage - 1, stage) if 0 <= cut < len(crossing)]
+
+
+def pipeline_state(cell: Cell, sizes: list[int], ranks: int) -> tuple[int, int]:
+    """(parameter elements, parameter tensors) of the busiest rank when stage s of `sizes` runs on rank
+    s % ranks; where the first and the last stage are on different ranks, the last keeps its own copy
+    of a tied weight (GPT-2's head: repro.adapters.torch_pipeline, repro.adapters.pipeline.untie)."""
+    parts = split(cell.shape.layer_tensors(), sizes)
+    elements, tensors = [0] * ranks, [0] * ranks
+    for stage, part in enumerate(parts):
+        elements[stage % ranks] += sum(map(sum, part))
+        tensors[stage % ranks] += sum(map(len, part))
+    last = (len(parts) - 1) % ranks
+    if last != 0 and cell.shape.tied_elements():
+        elements[last] += cell.shape.tied_elements()
+        tensors[last] += 1
+    busiest = max(range(ranks), key=lambda rank: (elements[rank], tensors[rank]))
+    return elements[busiest], tensors[busiest]
+
+
+def torch_pipeline(cell: Cell) -> Prediction:
+    """PyTorch's pipeline schedules (torch.distributed.pipelining; repro.adapters.torch_pipeline): stages
+    of contiguous layers balanced by parameter count (repro.partition.balance, where the recipe gives
+    none), stage s on rank s % GPUs (the interleaved schedules: 2 stages a rank). Each rank holds its
+    stages' weights, gradients and optimizer state. Per step the global batch (batch_per_gpu x GPUs)
+    crosses every cut forward and its gradient crosses back, whatever the micro-batch count: a rank
+    sends and receives, per stage, what its cuts carry (`stage_cuts`). Then the tied weight's gradient
+    is all-reduced between the first and the last rank, and one fp32 (the sum of squared gradient
+    norms, for the optimizer's global clip) over all ranks; with one rank nothing is sent."""
+    schedule = cell.option("schedule", "1f1b")
+    per_rank = cell.option("stages_per_rank", None) or (2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1)
+    count, ranks = cell.gpus * per_rank, cell.gpus
+    weights = [sum(layer) for layer in cell.shape.layer_tensors()]
+    sizes = cell.option("balance", None) or balance(weights, count, cell.shape.stage_starts())
+    elements, tensors = pipeline_state(cell, sizes, ranks)
+    comm: dict[str, int] = {}
+    if ranks > 1:
+        crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu * cell.gpus)]
+        moved = max(sum(sum(stage_cuts(crossing, stage)) for stage in range(rank, count, ranks)) for rank in range(ranks))
+        comm = {"send": moved, "recv": moved, "all_reduce": FP32 * (cell.shape.tied_elements() + 1)}
+    return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors),
+                      None, comm)
+
+
+def pipedream(cell: Cell) -> Prediction:
+    """PipeDream (repro.adapters.pipedream): one stage per rank, from the start event's time-measured
+    balance (a prediction without a run splits by parameter count instead: the time balance is known
+    only once measured). Each stage holds its live weights, their gradients and optimizer state (the
+    stashed weight versions, up to S - s per stage, are not in this count). The mini-batch is fixed
+    (batch_per_gpu); per step a stage receives one activation, preceded by a header of HEADER int64,
+    and sends one on, and passes one gradient back; stage clipping is local, so nothing else is sent."""
+    stages = cell.gpus
+    weights = [sum(layer) for layer in cell.shape.layer_tensors()]
+    sizes = cell.option("balance", None) or balance(weights, stages, cell.shape.stage_starts())
+    elements, tensors = pipeline_state(cell, sizes, stages)
+    comm: dict[str, int] = {}
+    if stages > 1:
+        crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu)]
+        send = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s < stages - 1 else 0) for s in range(stages))
+        recv = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s > 0 else 0) for s in range(stages))
+        comm = {"send": send, "recv": recv}
+    return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), None, comm)
 
 
 def even_balance(layers: int, parts: int) -> list[int]:
@@ -276,7 +353,8 @@ def split(items: list, balance: list[int]) -> list[list]:
     return out
 
 
-MODELS = {"ddp": ddp, "zero": zero, "fsdp": fsdp, "megatron": megatron, "torchgpipe": torchgpipe}
+MODELS = {"ddp": ddp, "zero": zero, "fsdp": fsdp, "megatron": megatron, "torchgpipe": torchgpipe,
+          "torch-pipeline": torch_pipeline, "pipedream": pipedream}
 
 
 def predict(cell: Cell) -> Prediction:

@@ -17,6 +17,7 @@ import torch
 
 from conftest import REPO, Repro
 from repro import costmodel, events
+from repro.adapters.torch_pipeline import stage_starts
 from repro.recipe import resolve
 from repro.runfiles import RUN_FILE
 from repro.shapes import GPT2Shape, VGG16Shape, parameters, tensors
@@ -35,6 +36,8 @@ def test_gpt2_shape_matches_the_built_module_tensor_for_tensor(spec):
     assert [sum(layer) for layer in shape.layer_tensors()] == [
         sum(p.numel() for p in layer.parameters(recurse=True) if p is not model[0].wte.weight or index == 0)
         for index, layer in enumerate(model)]
+    assert shape.output_elements(2) == layer_outputs(model, torch.zeros(2, spec.seq_len, dtype=torch.long, device="meta"))
+    assert shape.stage_starts() == stage_starts(model)
     if spec.n_layer == 24:
         assert parameters(shape) == 354_823_168  # GPT-2-medium, published
 
@@ -46,8 +49,19 @@ def test_vgg16_shape_matches_the_built_module_layer_for_layer(spec, classes):
     shape = VGG16Shape.from_model(spec, "digits" if classes == 10 else "imagenet")
     assert shape.layer_tensors() == [[p.numel() for p in layer.parameters()] for layer in model]
     assert shape.shaped_layers() == [[(p.shape[0], p[0].numel()) for p in layer.parameters()] for layer in model]
+    assert shape.output_elements(2) == layer_outputs(model, torch.zeros(2, 3, spec.image_size, spec.image_size, device="meta"))
+    assert shape.stage_starts() == stage_starts(model)
     if classes == 1000:
         assert parameters(shape) == 138_357_544  # torchvision's vgg16
+
+
+def layer_outputs(model: torch.nn.Sequential, inputs: torch.Tensor) -> list[int]:
+    """Elements of each layer's output (a pipeline's activation across a cut after it)."""
+    sizes = []
+    for layer in model:
+        inputs = layer(inputs)
+        sizes.append(inputs.numel())
+    return sizes
 
 
 def test_the_cost_model_imports_no_torch():
@@ -76,6 +90,11 @@ CELLS = {
     "fsdp-1": ("fsdp", 1, []), "fsdp-2": ("fsdp", 2, []), "fsdp-4": ("fsdp", 4, []),
     "fsdp-4-vgg16": ("fsdp", 4, [], "vgg16"), "fsdp-4-grad-op": ("fsdp", 4, ["fsdp.sharding=grad-op"]),
     "fsdp-4-hybrid": ("fsdp", 4, ["fsdp.sharding=hybrid"]),
+    # the pipelines: point-to-point at each cut, the tied weight's copy (VGG-16: cuts of other widths)
+    "torch-pipeline-1": ("torch-pipeline", 1, []), "torch-pipeline-2": ("torch-pipeline", 2, []),
+    "torch-pipeline-4": ("torch-pipeline", 4, []), "torch-pipeline-4-vgg16": ("torch-pipeline", 4, [], "vgg16"),
+    "pipedream-2": ("pipedream", 2, []), "pipedream-4": ("pipedream", 4, []),
+    "pipedream-4-vgg16": ("pipedream", 4, [], "vgg16"), "torchgpipe-4-vgg16": ("torchgpipe", 4, [], "vgg16"),
 }
 STEPS = 6  # the communication counter counts the last warm-up step (the 5th)
 
