@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from repro.partition import balance
-from repro.shapes import GPT2Shape, VGG16Shape, dim0_sharded, parameters, shape_of, tensor_at, tensor_count
+from repro.shapes import GPT2Shape, VGG16Shape, dim0_sharded, flat_sharded, parameters, shape_of, tensor_at, tensor_count
 
 FP32 = 4
 ACTIVATION_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -114,33 +114,73 @@ def zero_partition(psi: int, ranks: int) -> int:
 
 
 def zero(cell: Cell) -> Prediction:
-    """DeepSpeed ZeRO, stages 1-3 (docs/memory.md's table; Rajbhandari et al. 2020, section 5).
+    """DeepSpeed ZeRO, stages 1-2 (docs/memory.md's table; Rajbhandari et al. 2020, section 5); stage 3:
+    `zero3`.
 
-    Parameters: the padded flat buffer of the whole model (stages 1-2) or one partition of it (3).
+    Parameters: the padded flat buffer of the whole model.
     Optimizer: an fp32 master copy of the partition and the optimizer's state of it, plus Adam's one
     `step` tensor (ZeRO's inner optimizer steps one flat tensor per group).
-    Gradients: stage 1 every `.grad` plus one reduction bucket; stages 2-3 the partition and one bucket,
+    Gradients: stage 1 every `.grad` plus one reduction bucket; stage 2 the partition and one bucket,
     plus the whole gradient of each parameter that straddles the rank's partition edge (DeepSpeed keeps
     such a parameter's gradient whole; the busiest rank counts), plus the gradient that completes last in
     backward when it is larger than the bucket (`held_whole`), plus one fp32 scalar the ZeRO
     optimizer holds at the end of backward (seen among its tensors, not identified further).
-    Communication (stage 1-2, DeepSpeed's `average_tensor`/`reduce_ipg_grads`): every gradient bucket
-    is reduced (on gloo the reduce-scatter runs as an all-reduce of the bucket: the whole gradient),
-    the gradient norm is all-reduced (one fp32), and the updated partitions are all-gathered (each
-    rank hands its partition). With one process DeepSpeed still all-reduces the buckets and the norm
+    Communication (DeepSpeed's `average_tensor`/`reduce_ipg_grads`; stage 1 reduces the same buckets,
+    its contiguous-gradient hooks on): every gradient bucket is reduced (on gloo the reduce-scatter runs
+    as an all-reduce of the bucket: the whole gradient), the gradient norm is all-reduced (one fp32),
+    and the updated partitions are all-gathered (each rank hands its partition): what DDP moves, as the
+    ZeRO paper says of stages 1-2. With one process DeepSpeed still all-reduces the buckets and the norm
     (counted at stage 2: 4 Psi + 4 bytes), and gathers nothing.
     """
     stage, n = cell.option("stage", 2), cell.gpus
+    if stage == 3:
+        return zero3(cell)
     psi, count = parameters(cell.shape), tensor_count(cell.shape)
     part = zero_partition(psi, n)
     bucket = min(cell.option("reduce_bucket_size", 500_000_000), psi)
-    weights = FP32 * (part if stage == 3 else part * n)
     grads = FP32 * (psi if stage == 1 else part + straddling(cell.shape, part, n) + held_whole(cell.shape, bucket))
     grads += FP32 * bucket + FP32
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
     comm = {"all_reduce": FP32 * psi + FP32}
     if n > 1:
         comm["all_gather"] = FP32 * part
+    return Prediction(FP32 * part * n, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
+
+
+ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance (elements), which the adapter leaves as is
+
+
+def zero3(cell: Cell) -> Prediction:
+    """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py): every parameter
+    tensor flattened and partitioned, ceil(numel / N) elements a rank (`ds_tensor`; S in all).
+    Parameters: S, plus the first layer's parameters whole: DeepSpeed releases a module's gathered
+    parameters from a hook on its input's gradient (parameter_offload.py, PostBackwardFunctionModule),
+    and the first layer's input (token ids, images) has none, so they are still gathered when backward
+    ends. Gradients: the flat gradient partition (S), the reduction bucket (reduce_bucket_size elements,
+    allocated whole: `ipg_buckets`), a 1-byte overflow flag (`inf_or_nan_tracker`) and 8 bytes of
+    scalars (not identified further). Optimizer: the fp32 master partition, its state, one `step`.
+    Communication: the partitions are all-gathered (S elements a rank) before the forward and, for a
+    parameter whose reuse lies farther ahead in the trace than stage3_max_reuse_distance elements (2 x
+    the parameters of the later layers: their forward and backward), again before the backward
+    (partitioned_param_coordinator.py, `__params_to_release`); the ZeRO paper's 1.5 x DDP assumes that
+    second gather for every parameter, which DeepSpeed's default distance skips below 5e8 parameters.
+    Gradients are reduce-scattered per bucket, each tensor padded to a multiple of N
+    (coalesced_collectives.py, `reduce_scatter_coalesced`; an all-reduce of the input on gloo), and
+    the squared gradient norm is all-reduced in fp64 (zero/utils.py, `get_norm_dtype`)."""
+    n = cell.gpus
+    part, count = flat_sharded(cell.shape, n), tensor_count(cell.shape)
+    layers = cell.shape.layer_tensors()
+    weights = FP32 * (part + sum(layers[0]))
+    grads = FP32 * (part + cell.option("reduce_bucket_size", 500_000_000)) + 1 + 8
+    optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
+    regathered, later = 0, sum(sum(layer) for layer in layers)
+    for layer in layers:
+        later -= sum(layer)
+        if 2 * later >= ZERO3_REUSE_DISTANCE:
+            regathered += sum(-(-numel // n) for numel in layer)
+    comm = {"all_reduce": FP32 * n * part + 8}
+    if n > 1:
+        comm["all_gather"] = FP32 * (part + regathered)
     return Prediction(weights, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
 
 
@@ -317,8 +357,34 @@ def torch_pipeline(cell: Cell) -> Prediction:
         crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu * cell.gpus)]
         moved = max(sum(sum(stage_cuts(crossing, stage)) for stage in range(rank, count, ranks)) for rank in range(ranks))
         comm = {"send": moved, "recv": moved, "all_reduce": FP32 * (cell.shape.tied_elements() + 1)}
-    return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors),
-                      None, comm)
+    micro = cell.option("microbatches", None) or 2 * cell.gpus
+    in_flight = {"1f1b": lambda stage: min(micro, count - stage), "gpipe": lambda stage: micro}.get(schedule)
+    held = None
+    if in_flight and isinstance(cell.shape, GPT2Shape):
+        held = stage_activations(cell, sizes, cell.batch_per_gpu * cell.gpus // micro, in_flight, cell.batch_per_gpu * cell.gpus)
+    return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), held, comm)
+
+
+def stage_activations(cell: Cell, sizes: list[int], batch: int, in_flight: Any, whole: int | None = None) -> int:
+    """The busiest stage's activations: what its layers save for backward at `batch` samples (the
+    GPT-2 block of docs/memory.md), times the micro-batches it holds in flight at its peak,
+    `in_flight(stage)` (1F1B: min(M, S - s), Narayanan et al. 2021; GPipe: all M; PipeDream: S - s).
+    `whole`: micro-batches cut from a batch of `whole` samples are views, and the first layer's token
+    ids and the loss's targets saved from them keep the whole batch's storage (counted once)."""
+    element = ACTIVATION_ELEMENT[cell.precision]
+    per_layer = cell.shape.layer_activations(batch, element, element if cell.device == "cpu" else 1)
+    start, most = 0, 0
+    for stage, size in enumerate(sizes):
+        held = sum(per_layer[start : start + size]) * in_flight(stage)
+        if whole is not None:
+            views = cell.shape.batch_views(batch)
+            whole_views = cell.shape.batch_views(whole)
+            if stage == 0:
+                held += whole_views[0] - views[0] * in_flight(stage)
+            if stage == len(sizes) - 1:
+                held += whole_views[1] - views[1] * in_flight(stage)
+        most, start = max(most, held), start + size
+    return most
 
 
 def pipedream(cell: Cell) -> Prediction:
@@ -338,7 +404,10 @@ def pipedream(cell: Cell) -> Prediction:
         send = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s < stages - 1 else 0) for s in range(stages))
         recv = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s > 0 else 0) for s in range(stages))
         comm = {"send": send, "recv": recv}
-    return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), None, comm)
+    held = None
+    if isinstance(cell.shape, GPT2Shape):
+        held = stage_activations(cell, sizes, cell.batch_per_gpu, lambda stage: stages - stage)
+    return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), held, comm)
 
 
 def even_balance(layers: int, parts: int) -> list[int]:

@@ -83,6 +83,11 @@ class GPT2Shape:
     def stage_starts(self) -> list[bool]:
         return [True] * (self.n_layer + 2)
 
+    def batch_views(self, batch: int) -> tuple[int, int]:
+        """Bytes of what the first layer saves of the input batch (token ids) and the last of the targets:
+        a micro-batch cut from a batch is a view, and saving it keeps the whole batch's storage."""
+        return INT64 * batch * self.seq_len, INT64 * batch * self.seq_len
+
     def output_elements(self, batch: int) -> list[int]:
         """Elements of each layer's output at `batch` sequences: a pipeline's activation across a cut
         after it (tokens x width; the head's logits, tokens x vocabulary)."""
@@ -216,6 +221,12 @@ def tensor_at(shape: GPT2Shape | VGG16Shape, offset: int) -> tuple[int, int]:
                 start += numel
         start += size * repeat
     return offset, 0
+
+
+def flat_sharded(shape: GPT2Shape | VGG16Shape, ranks: int) -> int:
+    """Elements of one rank's partition of every parameter tensor flattened and padded to a multiple of
+    `ranks` (ceil(numel / ranks) each: DeepSpeed ZeRO-3's `ds_tensor`), summed over the model."""
+    return sum(-(-numel // ranks) * repeat for layer, repeat in shape.runs() for numel in layer)
 
 
 def dim0_sharded(shape: GPT2Shape | VGG16Shape, ranks: int) -> int:
