@@ -298,13 +298,17 @@ def torchgpipe(cell: Cell) -> Prediction:
         raise ValueError(f"torchgpipe: {len(layers)} layers cannot fill {k} partitions")
     balance = cell.option("balance", None) or even_balance(len(layers), k)
     chunks = cell.option("chunks_per_gpu", 4) * k
-    shares = [sum(map(sum, part)) + (cell.shape.tied_elements() if index == k - 1 and k > 1 else 0)
-              for index, part in enumerate(split(layers, balance))]
-    busiest = max(shares)
+    # torchgpipe refuses shared parameters, so the adapter unties them whatever the partition count: the
+    # last partition keeps its own copy of a tied weight, alone too (repro.adapters.torchgpipe)
+    tied = cell.shape.tied_elements()
+    parts = split(layers, balance)
+    shares = [(sum(map(sum, part)) + (tied if index == k - 1 else 0), sum(map(len, part)) + (index == k - 1 and tied > 0))
+              for index, part in enumerate(parts)]
+    busiest, tensors = max(shares)
     crossing = [FP32 * chunks * elements for elements in cut_outputs(cell.shape, balance, cell.batch_per_gpu)]
     joined = max(sum(stage_cuts(crossing, stage)) for stage in range(k))
     comm = {"boundary:activation": joined, "boundary:gradient": joined} if k > 1 else {}
-    return Prediction(FP32 * busiest, FP32 * busiest, optimizer_bytes(cell, busiest, 0), None, comm)
+    return Prediction(FP32 * busiest, FP32 * busiest, optimizer_bytes(cell, busiest, tensors), None, comm)
 
 
 def cut_outputs(shape: GPT2Shape | VGG16Shape, sizes: list[int], batch: int) -> list[int]:

@@ -82,9 +82,12 @@ CELLS = {
     "ddp-2": ("ddp", 2, []), "ddp-4": ("ddp", 4, []),
     "zero-2": ("zero", 2, []), "zero-4": ("zero", 4, []),
     "zero-4-bucket": ("zero", 4, ["zero.reduce_bucket_size=7000"]),
+    "zero1-2": ("zero", 2, ["zero.stage=1"]), "zero1-4": ("zero", 4, ["zero.stage=1"]),
+    "zero3-1": ("zero", 1, ["zero.stage=3"]), "zero3-2": ("zero", 2, ["zero.stage=3"]),
+    "zero3-4": ("zero", 4, ["zero.stage=3"]), "zero3-4-vgg16": ("zero", 4, ["zero.stage=3"], "vgg16"),
     "megatron-tp2-2": ("megatron", 2, ["megatron.tp=2"]),
     "megatron-tp2-4": ("megatron", 4, ["megatron.tp=2"]), "megatron-tp4-4": ("megatron", 4, ["megatron.tp=4"]),
-    "torchgpipe-2": ("torchgpipe", 2, []), "torchgpipe-4": ("torchgpipe", 4, []),
+    "torchgpipe-1": ("torchgpipe", 1, []), "torchgpipe-2": ("torchgpipe", 2, []), "torchgpipe-4": ("torchgpipe", 4, []),
     # FSDP2: nothing sent at 1; the LAMB norms of sharded tensors; dim-0 padding (VGG-16's 10-class
     # head on 4 ranks); grad-op gathers once; hybrid adds the replicas' all-reduce
     "fsdp-1": ("fsdp", 1, []), "fsdp-2": ("fsdp", 2, []), "fsdp-4": ("fsdp", 4, []),
@@ -202,3 +205,18 @@ def test_the_model_gives_the_counted_model_state_of_docs_and_the_issue():
     per_param = [costmodel.predict(costmodel.Cell(vgg, "zero", n, 16, "adam", options={"reduce_bucket_size": 25_000}))
                  .model_state / parameters(vgg) for n in (2, 4)]
     assert [round(x, 2) for x in per_param] == [12.83, 9.12]
+
+
+def test_the_pipelines_memory_plateau_is_quoted_as_the_models_prediction():
+    from repro.predictions import predict_row
+    from repro.report.evidence import Results
+    from repro.report.model_check import paper_predictor
+    from repro.report.predicted import pipeline_memory_predicted
+
+    res = Results([], 2, predict=paper_predictor([]))
+    res.workloads = ["gpt2"]
+    torchgpipe, pipedream = pipeline_memory_predicted(res, {"rows": ["torchgpipe", "pipedream"], "plateau_ratio": 1.3})
+    assert "no memory prediction" in torchgpipe  # its activations are not modelled
+    peaks = [predict_row("gpt2", "pipedream", g).estimated_peak for g in (1, 2, 4)]
+    assert peaks[0] / peaks[1] > 1.3 > peaks[1] / peaks[2]  # the model's own figures: a fall, then a flat step
+    assert "plateaus from 4 GPUs" in pipedream and f"2 GPUs {peaks[1] / 2**20:.2f} MiB" in pipedream
