@@ -1,9 +1,11 @@
 """Where the loop's time between the frameworks' steps goes, two ways, on the smoke GPT-2:
 
-- direct: the kit's loop (repro.loop.Trainer.run, 3 epochs: 192 steps) with the pieces it calls
-  between steps wrapped in a `perf_counter_ns` stopwatch each (the data loader's next batch, the
-  step clock, the loss window, the stop vote, the max-steps check), against the epoch events' own
-  `loop_us.harness`: microseconds per step, without a profiler's cost;
+- direct: the kit's loop (repro.loop.Trainer.run, 3 epochs: 192 steps), its own time per step
+  (`loop_us.harness`) in wall time and in CPU time of the thread (the loop's stopwatch, reading
+  `thread_time_ns` too: on a loaded machine wall time holds the waits for a core, CPU time not); then
+  192 more steps with the pieces it calls between steps wrapped in a stopwatch each (the next batch,
+  the step clock, the loss window, the stop vote, the max-steps check): microseconds per step,
+  without a profiler's cost;
 - profiled: cProfile on rank 0 over another 192 steps of the kit's loop and as many of
   bench/minimal.py's loop, on the same ranks: per step, the cumulative time of every function the
   loops call directly (inflated by the profiler's cost per Python call). The full profiles are
@@ -95,15 +97,15 @@ def timed_pieces() -> dict[str, list[int]]:
     return spent
 
 
-def gc_time() -> Callable:
-    """Time Python's garbage collections (wherever they run: in a step or between steps) into PIECES'
-    budget as "garbage collection"; returns the callback to remove."""
+def gc_time(trainer: loop.Trainer) -> Callable:
+    """Time Python's garbage collections that run during the timed steps (in a step or between steps;
+    those between epochs are not the steps' cost) into GC_SPENT; returns the callback to remove."""
     spent = GC_SPENT
 
     def callback(phase: str, info: dict) -> None:
         if phase == "start":
             spent[2] = time.perf_counter_ns()
-        else:
+        elif trainer.phase == "steps":
             spent[0] += time.perf_counter_ns() - spent[2]
             spent[1] += 1
 
@@ -114,30 +116,76 @@ def gc_time() -> Callable:
 GC_SPENT = [0, 0, 0]  # nanoseconds, collections, start of the one running
 
 
-def direct_budget(trainer: loop.Trainer, run_dir: Path) -> None:
-    """Run the kit's loop with its pieces timed; print each per step beside the loop's own total."""
-    originals = {name: getattr(owner, attribute) for name, (owner, attribute) in PIECES.items()}
-    spent = timed_pieces()
-    collecting = gc_time()
-    trainer.run()
-    gc.callbacks.remove(collecting)
-    for name, (owner, attribute) in PIECES.items():
-        setattr(owner, attribute, originals[name])
+class CPUStopwatch(metrics.Stopwatch):
+    """The loop's stopwatch, also summing the CPU time of this thread over its stretches (`cpu_ns`):
+    the part of the wall time that is the loop's own work, not a wait for a core or a peer."""
+
+    made: list["CPUStopwatch"] = []  # in the order Trainer.run makes them: (harness, counters) per epoch
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu_ns = self.cpu_started = 0
+        CPUStopwatch.made.append(self)
+
+    def start(self) -> None:
+        self.cpu_started = time.thread_time_ns()
+        super().start()
+
+    def stop(self) -> None:
+        super().stop()
+        self.cpu_ns += time.thread_time_ns() - self.cpu_started
+
+
+def harness_run(trainer: loop.Trainer, run_dir: Path) -> tuple[int, float, float, float] | None:
+    """Run the kit's loop from step 0 with its stopwatch also reading CPU time; on the reporting rank
+    (steps, the loop's own wall and CPU microseconds per step, mean step in ms) from its epoch events."""
+    fresh_run(trainer, run_dir)
+    CPUStopwatch.made.clear()
+    loop.Stopwatch = CPUStopwatch
+    try:
+        trainer.run()
+    finally:
+        loop.Stopwatch = metrics.Stopwatch
     if not trainer.writer:
-        return
+        return None
     trainer.writer.close()
     epochs = [e for e in events.read_all(run_dir / events.EVENTS_FILE) if e["event"] == events.EPOCH]
     steps = epochs[-1]["step"]
-    harness = sum(e["loop_us"]["harness"] * e["samples"] / trainer.global_batch for e in epochs) / steps
+    wall = sum(e["loop_us"]["harness"] * e["samples"] / trainer.global_batch for e in epochs) / steps
+    cpu = sum(watch.cpu_ns for watch in CPUStopwatch.made[::2]) / 1e3 / steps
     step_ms = sum(e["step_s"]["mean"] for e in epochs) / len(epochs) * 1e3
+    return steps, wall, cpu, step_ms
+
+
+def direct_budget(trainer: loop.Trainer, run_dir: Path) -> None:
+    """The loop's own time per step twice: as the loop measures it, then with each of its pieces timed
+    (their wrappers add a little); printed on the reporting rank."""
+    measured = harness_run(trainer, run_dir)
+    originals = {name: getattr(owner, attribute) for name, (owner, attribute) in PIECES.items()}
+    spent = timed_pieces()
+    collecting = gc_time(trainer)
+    try:
+        pieced = harness_run(trainer, run_dir)
+    finally:
+        gc.callbacks.remove(collecting)
+        for name, (owner, attribute) in PIECES.items():
+            setattr(owner, attribute, originals[name])
+    if measured is None or pieced is None:
+        return
+    steps, wall, cpu, step_ms = measured
     print(f"direct: microseconds per step over {steps} steps, load average {os.getloadavg()[0]:.1f}")
-    print(f"  {harness:10.1f}  the loop's own time (loop_us.harness), of a {step_ms:.2f} ms mean step "
-          f"({harness / step_ms / 10:.2f}%)")
+    print(f"  {wall:10.1f}  the loop's own time (loop_us.harness), of a {step_ms:.2f} ms mean step "
+          f"({wall / step_ms / 10:.2f}%; {cpu:.1f} us of CPU: {cpu / step_ms / 10:.2f}%)")
+    steps, wall, cpu, step_ms = pieced
+    print(f"  {wall:10.1f}  the same, its pieces timed ({cpu:.1f} us of CPU; {step_ms:.2f} ms mean step):")
     for name, (ns, calls, cpu_ns) in spent.items():
         print(f"  {ns / 1e3 / steps:10.1f}  {name}: {calls} calls ({cpu_ns / 1e3 / steps:.1f} us of CPU)")
     counted = sum(ns for ns, _, _ in spent.values()) / 1e3 / steps
-    print(f"  ({GC_SPENT[0] / 1e3 / steps:8.1f}  garbage collection, in steps or between them: {GC_SPENT[1]} collections)")
-    print(f"  {harness - counted:10.1f}  the rest (Trainer.run's own lines, stopwatches, wrappers)")
+    counted_cpu = sum(cpu_ns for _, _, cpu_ns in spent.values()) / 1e3 / steps
+    print(f"  {wall - counted:10.1f}  the rest (Trainer.run's own lines, stopwatches, wrappers; "
+          f"{cpu - counted_cpu:.1f} us of CPU)")
+    print(f"  ({GC_SPENT[0] / 1e3 / steps:8.1f}  garbage collection during the timed steps, in the pieces or the "
+          f"framework's steps: {GC_SPENT[1]} collections)")
 
 
 def report(title: str, rows: list[tuple[float, str]], steps: int) -> None:
@@ -156,7 +204,6 @@ def main(framework: str, out: str) -> None:
     run_dir.mkdir(exist_ok=True)
     trainer = loop.Trainer(recipe, run_dir, dataset(recipe.data.dataset).locate())
     steps = len(trainer.train_loader(0)) * recipe.train.epochs
-    fresh_run(trainer, run_dir)  # OUT's run folder may hold a finished run of an earlier call
     direct_budget(trainer, run_dir)
     fresh_run(trainer, run_dir)
     profiles = {"kit": cProfile.Profile(), "minimal": cProfile.Profile()}
