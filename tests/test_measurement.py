@@ -152,12 +152,18 @@ def test_the_counters_time_is_kept_apart_from_the_loops_own(trainer, monkeypatch
 
 
 def test_in_process_batches_are_the_data_loaders(trainer):
-    """The loop fetches batches without a DataLoader when it has no workers: the same tensors, bit for bit."""
+    """The loop fetches batches without a DataLoader when it has no workers: the same tensors, bit for
+    bit, whether a window's batches come in a row through the dataset's own collation (the smoke GPT-2's
+    `TokenChunks.collated`; 20 batches: a window of 16 and 4) or one by one through `default_collate`."""
     sampler = loop.GlobalBatches(len(trainer.train_set), 16, (1, 2), seed=7, epoch=2)
-    ours = list(loop.batches(trainer.train_set, sampler, workers=0))
+    batches = loop.batches(trainer.train_set, sampler, workers=0)
     theirs = list(torch.utils.data.DataLoader(trainer.train_set, batch_sampler=sampler))
-    assert len(ours) == len(theirs) == len(sampler) == 20
-    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(ours, theirs))
+    assert hasattr(trainer.train_set, "collated")
+    for ours in (list(batches), list(batches.one_by_one())):
+        assert len(ours) == len(theirs) == len(sampler) == 20
+        assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(ours, theirs))
+        # each batch its own storage, as the DataLoader's (the activation counter counts storages)
+        assert all(a.untyped_storage().nbytes() == c.untyped_storage().nbytes() for (a, _), (c, _) in zip(ours, theirs))
 
 
 def test_a_stopwatch_sums_its_stretches_per_step():
