@@ -58,7 +58,8 @@ def direct_callees(profile: cProfile.Profile, module: str, caller: str) -> list[
 # What the loop calls between steps, by owner and attribute name (the loader's iterator: both loops')
 PIECES = {
     "next batch (sampler, fetch, collate)": (loop.InProcessBatches, "__iter__"),
-    "loss window (log_losses)": (loop.Trainer, "log_losses"),
+    "loss window, started (start_losses)": (loop.Trainer, "start_losses"),
+    "loss window, read and written (finish_losses)": (loop.Trainer, "finish_losses"),
     "stop vote (stop_agreed)": (loop.Trainer, "stop_agreed"),
     "max-steps check (done)": (loop.Trainer, "done"),
     "step clock (StepClock.mark)": (metrics.StepClock, "mark"),
@@ -67,12 +68,14 @@ PIECES = {
 
 def timed_pieces() -> dict[str, list[int]]:
     """Wrap every piece in a stopwatch: name -> [wall nanoseconds, calls, CPU nanoseconds of this thread]
-    while the loop runs (on a loaded machine the wall time holds the waits for a core; the CPU time not)."""
+    during the timed steps (on a loaded machine the wall time holds the waits for a core; the CPU time not)."""
     spent = {name: [0, 0, 0] for name in PIECES}
     for name, (owner, attribute) in PIECES.items():
         original = getattr(owner, attribute)
 
         def timed(*args, _original=original, _spent=spent[name], **kwargs):
+            if getattr(args[0], "phase", "steps") != "steps":  # a Trainer's call between epochs
+                return _original(*args, **kwargs)
             started, cpu = time.perf_counter_ns(), time.thread_time_ns()
             try:
                 return _original(*args, **kwargs)
@@ -216,7 +219,7 @@ def main(framework: str, out: str) -> None:
     if dist.get_rank() == 0:
         for side, profile in profiles.items():
             profile.dump_stats(f"{out}.{side}.prof")
-        for caller in ("run", "counted_step", "log_losses", "stop_agreed"):
+        for caller in ("run", "counted_step", "start_losses", "finish_losses", "stop_agreed"):
             report(f"kit loop, {framework}, Trainer.{caller}", direct_callees(profiles["kit"], "repro/loop.py", caller), steps)
         report(f"minimal loop, {framework}, timed_steps", direct_callees(profiles["minimal"], "minimal.py", "timed_steps"), steps)
     dist.barrier()
