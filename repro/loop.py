@@ -42,10 +42,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption and SLURM's warnin
 # Steps between the loop's reads of the device (rounded up to a multiple of train.log_every): the
 # window's losses are reduced in one collective and its step events written.
 SYNC_EVERY = 16
-# Stop votes per epoch, at least (one every SYNC_EVERY steps in a long epoch): a vote every step cost
-# about 1 ms of a 19 ms smoke GPT-2 step on 2 processes (measured), while a short epoch (a resume test's
-# 8 steps) still gets a stop in its middle.
-STOP_VOTES_PER_EPOCH = 8
+# Stop votes per epoch, at least (one every SYNC_EVERY steps in a long epoch, with the loss window): a
+# vote every step cost about 1 ms of a 19 ms smoke GPT-2 step on 2 processes, one every 8 steps still
+# about 39 us of CPU a step (measured; each launch wakes gloo's worker thread), while a short epoch (a
+# resume test's 8 steps) still gets a stop in its middle.
+STOP_VOTES_PER_EPOCH = 4
 FETCHED_TOGETHER = SYNC_EVERY  # batches fetched in a row from a dataset that collates them (InProcessBatches)
 
 

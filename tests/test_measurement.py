@@ -69,9 +69,9 @@ def test_the_loop_synchronises_once_per_window_and_reads_the_stop_vote_every_few
     seen = observe_loop_syncs(trainer, monkeypatch)
     assert trainer.run() == 0
     assert trainer.window == loop.SYNC_EVERY == 16
-    # A stop vote after every 5th step (40 steps an epoch, 8 votes), read a step later (a CPU tensor: no
-    # device wait); per window of 16 steps: one read of the reduced losses.
-    assert trainer.vote_every == STEPS // loop.STOP_VOTES_PER_EPOCH == 5
+    # A stop vote after every 10th step (40 steps an epoch, 4 votes), read a step later (a CPU tensor: no
+    # device wait); per window of 16 steps: one read of the reduced losses, a step after the window.
+    assert trainer.vote_every == STEPS // loop.STOP_VOTES_PER_EPOCH == 10
     windows, votes_read = STEPS // loop.SYNC_EVERY, (STEPS - 1) // trainer.vote_every
     steps = {site: count for site, count in trainer.host_syncs.items() if site.startswith("steps/")}
     assert steps == {"steps/loss": windows, "steps/stop": votes_read}
