@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from repro.shapes import GPT2Shape, VGG16Shape, parameters, shape_of, tensor_at, tensor_count
+from repro.shapes import GPT2Shape, VGG16Shape, dim0_sharded, parameters, shape_of, tensor_at, tensor_count
 
 FP32 = 4
 ACTIVATION_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -166,6 +166,49 @@ def straddling(shape: GPT2Shape | VGG16Shape, part: int, ranks: int) -> int:
     return most
 
 
+def fsdp(cell: Cell) -> Prediction:
+    """FSDP2 (`fully_shard`, docs/memory.md "FSDP2"): every parameter tensor is split along dim 0 into
+    one chunk per shard rank, padded to the first (largest) chunk (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py: `padded_sharded_param_size`); rank 0 holds the largest chunks: S elements of
+    weights, of gradients (views of the reduce-scatter's output) and of each optimizer state.
+    Per step: every unit is all-gathered before its forward and, resharded after it
+    (`reshard_after_forward`, which the adapter passes, so the root unit too), again before its
+    backward (grad-op: once), S elements of param_dtype; its gradients are reduce-scattered from the
+    dim-0-padded unsharded gradients, shard x S elements of reduce_dtype (_fsdp_collectives.py:
+    `foreach_reduce`; gloo runs it as an all-reduce of that input), then under hybrid sharding
+    all-reduced across the replicas (S elements). With one shard rank nothing is gathered or reduced.
+    Sharded parameters are DTensors, so an optimizer or clip that takes norms reduces their partial
+    sums (`sharded_norms`)."""
+    sharding, gpus = cell.option("sharding", "full"), cell.gpus
+    replicas = cell.option("replicas", 2) if sharding == "hybrid" else 1
+    if gpus % replicas:
+        raise ValueError(f"fsdp: {replicas} replicas must divide the GPUs ({gpus})")
+    ranks = gpus // replicas
+    held, count = dim0_sharded(cell.shape, ranks), tensor_count(cell.shape)
+    comm: dict[str, int] = {}
+    if ranks > 1:
+        gathered = ACTIVATION_ELEMENT[cell.precision] * held
+        comm["all_gather"] = gathered * (1 if sharding == "grad-op" else 2)
+        reduced = ACTIVATION_ELEMENT[cell.option("reduce_dtype", "fp32")] * held
+        comm["all_reduce"] = ranks * reduced + (reduced if replicas > 1 else 0) + FP32 * sharded_norms(cell, count)
+    return Prediction(FP32 * held, FP32 * held, optimizer_bytes(cell, held, count),
+                      activations(cell, cell.batch_per_gpu), comm)
+
+
+def sharded_norms(cell: Cell, count: int) -> int:
+    """fp32 elements all-reduced per step to complete the norms of `count` sharded (DTensor) tensors: a
+    norm of a dim-0 shard is a partial result (DTensor's `_NormPartial`), reduced where it is used.
+    timm's Lamb (timm/optim/lamb.py) takes the global gradient norm of the stacked per-tensor norms
+    (`_get_clip_grad_norm`, max_grad_norm 1.0 by default: count elements) and, with weight decay,
+    per-tensor trust ratios from the weights' and the updates' norms, each stack used in two operations
+    (`_lamb_trust_ratio`: w / g, w > 0, g > 0: 4 count elements); gradient clipping
+    (`clip_grad_norm_`) the stacked gradient norms once more (count)."""
+    elements = count if cell.option("grad_clip", None) else 0
+    if cell.optimizer == "lamb":
+        elements += count + (4 * count if cell.option("weight_decay", 0.0) else 0)
+    return elements
+
+
 def megatron_elements(shape: GPT2Shape, tp: int) -> int:
     """Parameter elements one tensor-parallel rank holds (Shoeybi et al. 2019, section 3): the token
     embedding (tied to the head) split by vocabulary rows; attention's QKV and the MLP's first linear
@@ -233,7 +276,7 @@ def split(items: list, balance: list[int]) -> list[list]:
     return out
 
 
-MODELS = {"ddp": ddp, "zero": zero, "megatron": megatron, "torchgpipe": torchgpipe}
+MODELS = {"ddp": ddp, "zero": zero, "fsdp": fsdp, "megatron": megatron, "torchgpipe": torchgpipe}
 
 
 def predict(cell: Cell) -> Prediction:
@@ -266,7 +309,7 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None) -> Cell:
     section = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
     section["grad_clip"] = recipe.train.grad_clip
     optimizer = recipe.optimizer()
-    section["momentum"] = optimizer.momentum
+    section["momentum"], section["weight_decay"] = optimizer.momentum, optimizer.weight_decay
     if facts and facts.get("balance"):
         section["balance"] = facts["balance"]
     shape = shape_of(recipe.workload, recipe.model, recipe.data.dataset)

@@ -16,6 +16,11 @@ GPT2_VOCAB = {"bytes": 256, "gpt2": 50257}  # repro.workloads.gpt2.TOKENIZER_VOC
 VGG16_D = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 VGG16_CLASSES = {"imagenet": 1000, "digits": 10, "synthetic": 1000}  # repro.workloads.vgg16.NUM_CLASSES
 INT64 = 8
+Rows = tuple[int, int]  # a parameter tensor as (dim-0 size, elements per dim-0 row)
+
+
+def numels(layer: list[Rows]) -> list[int]:
+    return [rows * row for rows, row in layer]
 
 
 @dataclass(frozen=True)
@@ -34,12 +39,18 @@ class GPT2Shape:
         return cls(get("n_layer", 24), get("d_model", 1024), get("n_head", 16), get("seq_len", 1024),
                    GPT2_VOCAB[get("tokenizer", "gpt2")], get("dropout", 0.1))
 
+    def shaped_runs(self) -> list[tuple[list[Rows], int]]:
+        """(a layer's parameter tensors as (dim-0 size, elements per dim-0 row), how many such layers
+        follow): the embedding, the blocks (nn.Linear's weight is (out, in)), the head (its weight is
+        the embedding's and belongs to the embedding)."""
+        d, vector = self.d_model, lambda n: (n, 1)
+        block = [vector(d), vector(d), (3 * d, d), vector(3 * d), (d, d), vector(d), vector(d), vector(d),
+                 (4 * d, d), vector(4 * d), (d, 4 * d), vector(d)]
+        return [([(self.vocab, d), (self.seq_len, d)], 1), (block, self.n_layer), ([vector(d), vector(d)], 1)]
+
     def runs(self) -> list[tuple[list[int], int]]:
-        """(a layer's parameter tensors' element counts, how many such layers follow): the embedding, the
-        blocks, the head (its weight is the embedding's and belongs to the embedding)."""
-        d = self.d_model
-        block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
-        return [([self.vocab * d, self.seq_len * d], 1), (block, self.n_layer), ([d, d], 1)]
+        """(a layer's parameter tensors' element counts, how many such layers follow)."""
+        return [(numels(layer), repeat) for layer, repeat in self.shaped_runs()]
 
     def layer_tensors(self) -> list[list[int]]:
         """Element counts of each layer's own parameters, layer by layer."""
@@ -92,23 +103,31 @@ class VGG16Shape:
     def widths(self) -> list[int | str]:
         return [c if c == "M" else c // self.width_div for c in VGG16_D]
 
+    def shaped_runs(self) -> list[tuple[list[Rows], int]]:
+        return [(layer, 1) for layer in self.shaped_layers()]
+
     def runs(self) -> list[tuple[list[int], int]]:
-        return [(layer, 1) for layer in self.layer_tensors()]
+        return [(numels(layer), 1) for layer in self.shaped_layers()]
 
     def layer_tensors(self) -> list[list[int]]:
-        """Each layer of repro.workloads.vgg16.build_vgg16 in order: convolutions (3x3, with bias), ReLU,
-        max-pool, adaptive average pool, flatten, then linear, ReLU, dropout, linear, ReLU, dropout, linear."""
-        layers: list[list[int]] = []
+        return [numels(layer) for layer in self.shaped_layers()]
+
+    def shaped_layers(self) -> list[list[Rows]]:
+        """Each layer of repro.workloads.vgg16.build_vgg16 in order, its tensors as (dim-0 size, elements
+        per dim-0 row): convolutions (3x3, with bias), ReLU, max-pool, adaptive average pool, flatten, then
+        linear, ReLU, dropout, linear, ReLU, dropout, linear."""
+        layers: list[list[Rows]] = []
         channels = 3
         for width in self.widths():
             if width == "M":
                 layers.append([])
             else:
-                layers += [[channels * width * 9, width], []]
+                layers += [[(width, channels * 9), (width, 1)], []]
                 channels = width
         last, hidden = channels * self.pool_size**2, self.classifier_width
         layers += [[], []]  # adaptive average pool, flatten
-        layers += [[last * hidden, hidden], [], [], [hidden * hidden, hidden], [], [], [hidden * self.classes, self.classes]]
+        layers += [[(hidden, last), (hidden, 1)], [], [], [(hidden, hidden), (hidden, 1)], [], [],
+                   [(self.classes, hidden), (self.classes, 1)]]
         return layers
 
     def tied_elements(self) -> int:
@@ -177,3 +196,9 @@ def tensor_at(shape: GPT2Shape | VGG16Shape, offset: int) -> tuple[int, int]:
                 start += numel
         start += size * repeat
     return offset, 0
+
+
+def dim0_sharded(shape: GPT2Shape | VGG16Shape, ranks: int) -> int:
+    """Elements of the largest shard of every parameter tensor split along dim 0 into `ranks` chunks
+    (torch.chunk: ceil(dim 0 / ranks) rows to the first rank), summed over the model."""
+    return sum(-(-rows // ranks) * row * repeat for layer, repeat in shape.shaped_runs() for rows, row in layer)

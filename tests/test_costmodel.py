@@ -1,7 +1,8 @@
 """The cost model (repro.costmodel) against the counters: model state, activations and communication.
 
 Units: the torch-free shapes (repro.shapes) equal the built modules tensor for tensor, and the model
-imports no torch. Integration: GPT-2 smoke under every modelled framework at 2 and 4 processes on gloo,
+imports no torch. Integration: GPT-2 smoke under every modelled framework at 2 and 4 processes on gloo
+(1 where it differs),
 each run's counted figures (epoch event) against the model, within the bounds of costmodel.BOUNDS;
 a different ZeRO bucket or tp degree moves both sides.
 """
@@ -29,6 +30,8 @@ def test_gpt2_shape_matches_the_built_module_tensor_for_tensor(spec):
         model = build_gpt2(spec)
     shape = GPT2Shape.from_model(spec)
     assert tensors(shape) == [p.numel() for p in model.parameters()]
+    assert [rows for layer, repeat in shape.shaped_runs() for _ in range(repeat) for rows in layer] == [
+        (p.shape[0], p[0].numel()) for p in model.parameters()]
     assert [sum(layer) for layer in shape.layer_tensors()] == [
         sum(p.numel() for p in layer.parameters(recurse=True) if p is not model[0].wte.weight or index == 0)
         for index, layer in enumerate(model)]
@@ -42,6 +45,7 @@ def test_vgg16_shape_matches_the_built_module_layer_for_layer(spec, classes):
         model = build_vgg16(spec, classes)
     shape = VGG16Shape.from_model(spec, "digits" if classes == 10 else "imagenet")
     assert shape.layer_tensors() == [[p.numel() for p in layer.parameters()] for layer in model]
+    assert shape.shaped_layers() == [[(p.shape[0], p[0].numel()) for p in layer.parameters()] for layer in model]
     if classes == 1000:
         assert parameters(shape) == 138_357_544  # torchvision's vgg16
 
@@ -67,6 +71,11 @@ CELLS = {
     "megatron-tp2-2": ("megatron", 2, ["megatron.tp=2"]),
     "megatron-tp2-4": ("megatron", 4, ["megatron.tp=2"]), "megatron-tp4-4": ("megatron", 4, ["megatron.tp=4"]),
     "torchgpipe-2": ("torchgpipe", 2, []), "torchgpipe-4": ("torchgpipe", 4, []),
+    # FSDP2: nothing sent at 1; the LAMB norms of sharded tensors; dim-0 padding (VGG-16's 10-class
+    # head on 4 ranks); grad-op gathers once; hybrid adds the replicas' all-reduce
+    "fsdp-1": ("fsdp", 1, []), "fsdp-2": ("fsdp", 2, []), "fsdp-4": ("fsdp", 4, []),
+    "fsdp-4-vgg16": ("fsdp", 4, [], "vgg16"), "fsdp-4-grad-op": ("fsdp", 4, ["fsdp.sharding=grad-op"]),
+    "fsdp-4-hybrid": ("fsdp", 4, ["fsdp.sharding=hybrid"]),
 }
 STEPS = 6  # the communication counter counts the last warm-up step (the 5th)
 
@@ -82,9 +91,9 @@ def checked() -> dict:
 
 def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
     if name not in cache:
-        framework, gpus, sets = CELLS[name]
+        framework, gpus, sets, *workload = CELLS[name]
         args = [arg for value in sets for arg in ("--set", value)]
-        result = shared_repro("run", "gpt2", "--framework", framework, "--gpus", str(gpus), "--scale", "smoke",
+        result = shared_repro("run", *(workload or ["gpt2"]), "--framework", framework, "--gpus", str(gpus), "--scale", "smoke",
                               "--max-steps", str(STEPS), "--set", "data.max_val_samples=32", *args,
                               timeout=LAUNCH_TIMEOUT_S)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -107,7 +116,7 @@ def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name
     for row in rows:
         assert row["within"] in (True, None), row
     assert [row["within"] for row in rows if row["quantity"] != "activations"] == [True, True]
-    if CELLS[name][0] in ("ddp", "zero"):
+    if CELLS[name][0] in ("ddp", "zero", "fsdp"):
         assert rows[1]["within"] is True  # data parallelism: the whole model's activations per rank
 
 

@@ -226,7 +226,7 @@ def test_time_clauses_of_memory_findings_wait_for_separable_repeats():
     """ZeRO's "no loss in performance" compares epoch times: with overlapping intervals it is not
     judged, and the verdict rests on the memory clause alone."""
     from repro import table2
-    from repro.report import findings
+    from repro.report import evidence, performance
     from repro.report.collect import Result, fold_repeats
 
     matrix = table2.load_matrix(rows=["ddp", "zero"])
@@ -238,9 +238,9 @@ def test_time_clauses_of_memory_findings_wait_for_separable_repeats():
         times["zero"] = zero_times
         results = fold_repeats([Result(c, "FINISHED", epoch_s=[times[c.row][c.repeat]] * 2,
                                        model_state_bytes=state[c.row]) for c in cells])
-        return findings.zero_memory(findings.Results(results, cores=2), {
+        return performance.zero_memory(evidence.Results(results, cores=2), {
             "saving_range": [0.42, 0.66], "from_gpus": 2, "max_time_ratio": 1.15})
 
-    assert verdict([1.5, 1.6, 1.7])[0] == findings.FAILS  # separated: judged, and too slow
+    assert verdict([1.5, 1.6, 1.7])[0] == evidence.FAILS  # separated: judged, and too slow
     found, notes = verdict([1.15, 1.3, 1.4])  # overlaps DDP's 1.0-1.2
-    assert found == findings.HOLDS and "epoch-time clause not separable at 3 repeats" in notes[0]
+    assert found == evidence.HOLDS and "epoch-time clause not separable at 3 repeats" in notes[0]
