@@ -11,7 +11,9 @@
   loops call directly (inflated by the profiler's cost per Python call). The full profiles are
   written beside OUT (OUT.kit.prof, OUT.minimal.prof) for `python -m pstats` or snakeviz.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_loop.py ddp OUT
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_loop.py ddp OUT [--direct-only]
+
+(--direct-only: the direct budget alone, without the profiles.)
 """
 from __future__ import annotations
 
@@ -198,7 +200,7 @@ def report(title: str, rows: list[tuple[float, str]], steps: int) -> None:
             print(f"  {seconds * 1e6 / steps:10.1f}  {name}")
 
 
-def main(framework: str, out: str) -> None:
+def main(framework: str, out: str, direct_only: bool) -> None:
     world = int(os.environ["WORLD_SIZE"])
     recipe = load_file(recipe_path("gpt2", "smoke"), [
         f"run.framework={framework}", f"run.gpus={world}", f"data.max_val_samples={VAL_SAMPLES}",
@@ -208,6 +210,10 @@ def main(framework: str, out: str) -> None:
     trainer = loop.Trainer(recipe, run_dir, dataset(recipe.data.dataset).locate())
     steps = len(trainer.train_loader(0)) * recipe.train.epochs
     direct_budget(trainer, run_dir)
+    if direct_only:
+        dist.barrier()
+        trainer.close(clean=True)
+        loop.leave(0)
     fresh_run(trainer, run_dir)
     profiles = {"kit": cProfile.Profile(), "minimal": cProfile.Profile()}
     with profiles["kit"] if dist.get_rank() == 0 else contextlib.nullcontext():
@@ -229,4 +235,4 @@ def main(framework: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["--direct-only"])
