@@ -80,9 +80,19 @@ class GPT2Shape:
         embedding = INT64 * (n + self.seq_len) + masked
         return [embedding, *([block] * (self.n_layer if layers is None else layers)), head]
 
-    def boundary_elements(self, batch: int) -> int:
-        """Elements of the tensor handed from one layer to the next (a pipeline's activation)."""
-        return batch * self.seq_len * self.d_model
+    def stage_starts(self) -> list[bool]:
+        return [True] * (self.n_layer + 2)
+
+    def batch_views(self, batch: int) -> tuple[int, int]:
+        """Bytes of what the first layer saves of the input batch (token ids) and the last of the targets:
+        a micro-batch cut from a batch is a view, and saving it keeps the whole batch's storage."""
+        return INT64 * batch * self.seq_len, INT64 * batch * self.seq_len
+
+    def output_elements(self, batch: int) -> list[int]:
+        """Elements of each layer's output at `batch` sequences: a pipeline's activation across a cut
+        after it (tokens x width; the head's logits, tokens x vocabulary)."""
+        tokens = batch * self.seq_len
+        return [tokens * self.d_model] * (self.n_layer + 1) + [tokens * self.vocab]
 
 
 @dataclass(frozen=True)
@@ -113,22 +123,37 @@ class VGG16Shape:
         return [numels(layer) for layer in self.shaped_layers()]
 
     def shaped_layers(self) -> list[list[Rows]]:
-        """Each layer of repro.workloads.vgg16.build_vgg16 in order, its tensors as (dim-0 size, elements
-        per dim-0 row): convolutions (3x3, with bias), ReLU, max-pool, adaptive average pool, flatten, then
-        linear, ReLU, dropout, linear, ReLU, dropout, linear."""
-        layers: list[list[Rows]] = []
-        channels = 3
+        return [tensors for _, tensors, _ in self.layers()]
+
+    def layers(self) -> list[tuple[str, list[Rows], int]]:
+        """Each layer of repro.workloads.vgg16.build_vgg16 in order: (kind, its tensors as (dim-0 size,
+        elements per dim-0 row), elements of its output per image): convolutions (3x3, with bias), ReLU
+        (in place), max-pool, adaptive average pool, flatten, then linear, ReLU, dropout, linear, ReLU,
+        dropout, linear."""
+        layers: list[tuple[str, list[Rows], int]] = []
+        channels, side = 3, self.image_size
         for width in self.widths():
             if width == "M":
-                layers.append([])
+                side //= 2
+                layers.append(("pool", [], channels * side * side))
             else:
-                layers += [[(width, channels * 9), (width, 1)], []]
+                out = width * side * side
+                layers += [("conv", [(width, channels * 9), (width, 1)], out), ("relu", [], out)]
                 channels = width
         last, hidden = channels * self.pool_size**2, self.classifier_width
-        layers += [[], []]  # adaptive average pool, flatten
-        layers += [[(hidden, last), (hidden, 1)], [], [], [(hidden, hidden), (hidden, 1)], [], [],
-                   [(self.classes, hidden), (self.classes, 1)]]
+        layers += [("pool", [], last), ("flatten", [], last)]
+        for width, inputs in ((hidden, last), (hidden, hidden)):
+            layers += [("linear", [(width, inputs), (width, 1)], width), ("relu", [], width), ("dropout", [], width)]
+        layers.append(("linear", [(self.classes, hidden), (self.classes, 1)], self.classes))
         return layers
+
+    def stage_starts(self) -> list[bool]:
+        """Where a pipeline stage may begin: not at an in-place ReLU (its input must stay a leaf)."""
+        return [index == 0 or kind != "relu" for index, (kind, _, _) in enumerate(self.layers())]
+
+    def output_elements(self, batch: int) -> list[int]:
+        """Elements of each layer's output at `batch` images (what a pipeline hands across a cut after it)."""
+        return [batch * out for _, _, out in self.layers()]
 
     def tied_elements(self) -> int:
         return 0
@@ -196,6 +221,12 @@ def tensor_at(shape: GPT2Shape | VGG16Shape, offset: int) -> tuple[int, int]:
                 start += numel
         start += size * repeat
     return offset, 0
+
+
+def flat_sharded(shape: GPT2Shape | VGG16Shape, ranks: int) -> int:
+    """Elements of one rank's partition of every parameter tensor flattened and padded to a multiple of
+    `ranks` (ceil(numel / ranks) each: DeepSpeed ZeRO-3's `ds_tensor`), summed over the model."""
+    return sum(-(-numel // ranks) * repeat for layer, repeat in shape.runs() for numel in layer)
 
 
 def dim0_sharded(shape: GPT2Shape | VGG16Shape, ranks: int) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 from repro.report import settings as run_settings
 from repro.report.collect import Result, not_separable
 from repro.report.evidence import FAILS, HOLDS, NOT_TESTABLE, Results, combine, mib, untimed
-from repro.report.predicted import predicted_hybrid, zero_memory_predicted
+from repro.report.predicted import pipeline_memory_predicted, predicted_hybrid, zero_memory_predicted
 
 
 def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
@@ -135,7 +135,7 @@ def pipeline_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
                 note += (f"; model state {', '.join(mib(c.model_state_bytes) for c in cells)}, activations "
                          f"{', '.join(mib(c.activation_bytes) for c in cells)}")
             notes.append(note)
-    return combine(verdicts), notes
+    return combine(verdicts), notes + pipeline_memory_predicted(res, t)
 
 
 def hybrid_best_at_scale(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:

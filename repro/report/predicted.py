@@ -68,3 +68,28 @@ def predicted_hybrid(res: Results, w: str, t: dict[str, Any], notes: list[str]) 
         notes.append(f"{w} {g} GPUs (predicted, {error}): {t['row']} sends {mib(mine.comm_bytes)} per GPU a step; "
                      + ", ".join(f"{row} {mib(p.comm_bytes)}" for row, p in figures.items()))
     return verdicts
+
+
+def pipeline_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
+    """Where each pipeline's memory per GPU (model state + activations) plateaus at the paper's scale and
+    GPU counts, from the cost model: a prediction beside the measured verdict, with the model's error."""
+    from repro.predictions import quoted
+    from repro.table2 import load_matrix
+
+    if res.predict is None:
+        return []
+    notes, counts = [], load_matrix().scales["paper"].gpus
+    for w in res.workloads:
+        for row in t["rows"]:
+            figures = {g: res.predict(w, row, g) for g in counts}
+            memory = {g: p.memory_bytes for g, p in figures.items() if p and p.memory_bytes}
+            if len(memory) < 2:
+                notes.append(f"{w} {row} at paper scale: no memory prediction (its activations are not modelled)")
+                continue
+            gpus = sorted(memory)
+            flat = [b for a, b in zip(gpus, gpus[1:]) if memory[a] / memory[b] < t["plateau_ratio"]]
+            where = f"plateaus from {flat[0]} GPUs (a step down below x{t['plateau_ratio']})" if flat else "no plateau"
+            error = model_error({row: figures[gpus[-1]]}, MEMORY_CHECKS)
+            notes.append(f"{w} {row} at paper scale, memory per GPU {where}, "
+                         + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error})")
+    return notes
