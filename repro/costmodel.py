@@ -156,7 +156,8 @@ def zero3(cell: Cell) -> Prediction:
     Parameters: S, plus the first layer's parameters whole: DeepSpeed releases a module's gathered
     parameters from a hook on its input's gradient (parameter_offload.py, PostBackwardFunctionModule),
     and the first layer's input (token ids, images) has none, so they are still gathered when backward
-    ends. Gradients: the flat gradient partition (S), the reduction bucket (reduce_bucket_size elements,
+    ends (with one rank the count finds no second storage: the partition is the whole tensor).
+    Gradients: the flat gradient partition (S), the reduction bucket (reduce_bucket_size elements,
     allocated whole: `ipg_buckets`), a 1-byte overflow flag (`inf_or_nan_tracker`) and 8 bytes of
     scalars (not identified further). Optimizer: the fp32 master partition, its state, one `step`.
     Communication: the partitions are all-gathered (S elements a rank) before the forward and, for a
@@ -170,7 +171,7 @@ def zero3(cell: Cell) -> Prediction:
     n = cell.gpus
     part, count = flat_sharded(cell.shape, n), tensor_count(cell.shape)
     layers = cell.shape.layer_tensors()
-    weights = FP32 * (part + sum(layers[0]))
+    weights = FP32 * (part + (sum(layers[0]) if n > 1 else 0))  # one rank: the gathered tensor is the partition
     grads = FP32 * (part + cell.option("reduce_bucket_size", 500_000_000)) + 1 + 8
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
     regathered, later = 0, sum(sum(layer) for layer in layers)
