@@ -96,6 +96,7 @@ CELLS = {
     # the pipelines: point-to-point at each cut, the tied weight's copy (VGG-16: cuts of other widths)
     "torch-pipeline-1": ("torch-pipeline", 1, []), "torch-pipeline-2": ("torch-pipeline", 2, []),
     "torch-pipeline-4": ("torch-pipeline", 4, []), "torch-pipeline-4-vgg16": ("torch-pipeline", 4, [], "vgg16"),
+    "torch-pipeline-2-interleaved": ("torch-pipeline", 2, ["torch_pipeline.schedule=interleaved-1f1b"]),
     "pipedream-2": ("pipedream", 2, []), "pipedream-4": ("pipedream", 4, []),
     "pipedream-4-vgg16": ("pipedream", 4, [], "vgg16"), "torchgpipe-4-vgg16": ("torchgpipe", 4, [], "vgg16"),
 }
