@@ -35,7 +35,7 @@ from torch import nn
 
 from repro import registry
 from repro.adapters import pipeline
-from repro.adapters.base import Adapter, parameter_users
+from repro.adapters.base import Adapter, Reduction, parameter_users
 from repro.checkpoint import atomic_torch_save
 from repro.optim import make_optimizer
 from repro.partition import balance
@@ -220,7 +220,7 @@ class TorchPipelineAdapter(Adapter):
         self.optimizer.step()
         return self.shard_loss(torch.stack(losses).mean()) if losses else None
 
-    def reduce_losses(self, losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+    def reduce_losses(self, losses: list[torch.Tensor | None]) -> Reduction | None:
         return pipeline.last_stage_losses(losses)
 
     def clip_whole_model(self) -> None:
