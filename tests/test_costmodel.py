@@ -100,7 +100,9 @@ CELLS = {
     "pipedream-2": ("pipedream", 2, []), "pipedream-4": ("pipedream", 4, []),
     "pipedream-4-vgg16": ("pipedream", 4, [], "vgg16"), "torchgpipe-4-vgg16": ("torchgpipe", 4, [], "vgg16"),
 }
-STEPS = 6  # the communication counter counts the last warm-up step (the 5th)
+# the communication counter counts the last warm-up step (the 5th); PipeDream's first stage of 4 holds its
+# steady S - s = 4 weight versions from its 7th forward on
+STEPS = 8
 
 
 LAUNCH_TIMEOUT_S = 1500  # DeepSpeed JIT-builds its CPU collectives (shm_comm) on first use: minutes on 2 loaded cores
