@@ -14,6 +14,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 LOOP_MODULE = "repro.loop"
 RDZV_BASE_PORT = 20000
@@ -171,3 +172,12 @@ def sbatch_script(job: SlurmJob) -> str:
 def quote_unless_expanded(word: str) -> str:
     """Shell-quote a word, except those written as a double-quoted shell expansion ("$head_node:...")."""
     return word if word.startswith('"$') else shlex.quote(word)
+
+
+WARM_MODULE = "repro.warm"
+
+
+def warm_launcher(channel_fd: int, preload: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The warm launcher of CPU stand-in ranks (repro.warm): its fork server imports `preload` once, then
+    forks the ranks of every job its parent sends over the channel (descriptor `channel_fd`)."""
+    return [python, "-m", WARM_MODULE, "--channel", str(channel_fd), "--preload", ",".join(preload)]
