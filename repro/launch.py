@@ -44,6 +44,13 @@ def torchrun_local(processes: int, run_dir: Path, python: str = sys.executable) 
     ]
 
 
+def single_rank(run_dir: Path, python: str = sys.executable) -> list[str]:
+    """The one process of a one-process CPU run, started without a launcher, with the environment
+    torchrun would give it; port 0: the rank hosts the store itself and binds a free port (no peer needs it)."""
+    environment = ["RANK=0", "LOCAL_RANK=0", "WORLD_SIZE=1", "LOCAL_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=0"]
+    return ["env", *environment, python, "-m", LOOP_MODULE, str(run_dir)]
+
+
 def lbann_srun(nodes: int, gpus: int, lbann: str, prototext: Path) -> list[str]:
     """LBANN under SLURM, one rank per GPU spread evenly over the nodes (as LBANN's launcher does)."""
     return [
@@ -181,3 +188,9 @@ def warm_launcher(channel_fd: int, preload: Sequence[str], python: str = sys.exe
     """The warm launcher of CPU stand-in ranks (repro.warm): its fork server imports `preload` once, then
     forks the ranks of every job its parent sends over the channel (descriptor `channel_fd`)."""
     return [python, "-m", WARM_MODULE, "--channel", str(channel_fd), "--preload", ",".join(preload)]
+
+
+def warm_job(launcher: list[str], entry: str, processes: int, run_dir: Path) -> list[str]:
+    """A job of a warm launcher as the run records it (command.json) and --dry-run shows it: the launcher's
+    command line, then what it is sent: `processes` ranks of `entry` on `run_dir`."""
+    return [*launcher, "::", f"{processes} x {entry}", str(run_dir)]

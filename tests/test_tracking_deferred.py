@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from conftest import wait_for_event
 from host import free_port
+from mlflow_server import MlflowServer
 from repro import deferred, events, settle, tracking
 from repro.delivery import Delivery, Outcome
 from repro.runfiles import RUN_FILE
@@ -76,3 +78,30 @@ def test_a_server_that_does_not_answer_defers_the_creation_and_settle_finds_the_
     assert line.startswith(f"{run_dir}: ended FAILED"), line
     run_id = json.loads((run_dir / RUN_FILE).read_text())["mlflow_run_id"]
     assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+
+
+@pytest.mark.slow
+def test_a_run_started_while_the_server_is_down_trains_and_is_recorded_once_it_answers(repro, tmp_path: Path):
+    """With the tracking URI on a server that is not up, `repro run` trains; the server comes up mid-run
+    (an `mlflow server` on a sqlite store) and the run is there, every step once, FINISHED."""
+    server = MlflowServer(f"sqlite:///{tmp_path}/server.db", tmp_path, start=False)
+    repro.env["MLFLOW_TRACKING_URI"] = server.uri
+    repro.env["REPRO_DELIVERY_BUDGET_S"] = "900"  # the server's start takes minutes on a loaded machine
+    job = repro.start("run", "gpt2", "--framework", "ddp", "--gpus", "1", "--epochs", "2",
+                      "--set", "data.max_val_samples=32", "--run-dir", "runs/late", log="late.txt")
+    try:
+        run_dir, _ = wait_for_event(repro.cwd / "runs", "step", job, timeout=900, step=16)  # training, server down
+        assert json.loads((run_dir / RUN_FILE).read_text())["mlflow_run_id"] is None
+        server.start()
+        assert job.wait(timeout=900) == 0, (repro.cwd / "late.txt").read_text()[-3000:]
+        steps = [e["step"] for e in events.read_all(run_dir / events.EVENTS_FILE) if e["event"] == events.STEP]
+        run_id = json.loads((run_dir / RUN_FILE).read_text())["mlflow_run_id"]
+        client = MlflowClient(server.uri)
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED" and run.data.tags["repro.framework"] == "ddp"
+        history = client.get_metric_history(run_id, events.TRAIN_LOSS)
+        assert sorted(m.step for m in history) == steps == list(range(1, len(steps) + 1)) and len(steps) > 16
+        assert not (run_dir / deferred.DEFERRED_FILE).exists()
+    finally:
+        job.kill()
+        server.stop()

@@ -8,6 +8,7 @@ signal, polled and waited for, and names the processes of its ranks, to be kille
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -45,11 +46,6 @@ class WarmJob:
         if reply is not None and "pids" in reply:
             self.ranks = [psutil.Process(pid) for _, pid in sorted(reply["pids"].items(), key=lambda kv: int(kv[0]))]
 
-    @property
-    def exit_notice(self) -> int:
-        """A descriptor that becomes readable when the launcher has news of the job (its end)."""
-        return self.launcher.channel.fileno()
-
     def next_message(self, timeout: float | None) -> dict | None:
         if self.returncode is not None:
             return None
@@ -75,7 +71,16 @@ class WarmJob:
     def send_signal(self, signum: int) -> None:
         """Stop the job: the launcher sends `signum` to every rank, which has time to save (STOP_GRACE_S)."""
         if self.returncode is None:
-            messages.send(self.launcher.channel, {"signal": int(signum)})
+            with contextlib.suppress(OSError):  # a launcher already gone: poll says so
+                messages.send(self.launcher.channel, {"signal": int(signum)})
+
+    def roots(self) -> list[psutil.Process]:
+        """The processes at the top of the job: its ranks (the launcher outlives the job)."""
+        return list(self.ranks)
+
+    def exit_notice(self) -> int:
+        """A descriptor of our own that becomes readable when the launcher has news of the job (its end)."""
+        return os.dup(self.launcher.channel.fileno())
 
     def processes(self) -> list[psutil.Process]:
         """The job's ranks and everything under them that still runs."""

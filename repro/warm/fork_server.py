@@ -14,9 +14,10 @@ from typing import Sequence
 ALWAYS_WARM = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing", "repro.loop",
                "repro.warm.ranks")
 PRELOAD_ENV = "REPRO_WARM_PRELOAD"  # the modules the fork server was asked to import (repro.warm.fork_check)
-# numpy (imported by torch) loads OpenBLAS, which starts a thread per core at once unless told not to
-# (found by repro.warm.fork_check); the ranks use one thread each on CPU anyway (repro.loop).
-FORK_SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+# Libraries that start a thread as they load, found by repro.warm.fork_check (and gdb): numpy (imported by
+# torch) loads OpenBLAS, which starts a thread per core unless told not to (the ranks use one thread each on
+# CPU anyway, repro.loop); DeepSpeed imports pyarrow, whose jemalloc starts a background purging thread.
+FORK_SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
 
 
 def preload(modules: Sequence[str] = ()) -> list[str]:

@@ -15,6 +15,7 @@ the store binds a free port itself, so no port is guessed.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -31,6 +32,7 @@ from repro.warm.fork_server import preload
 START_METHOD = "forkserver"
 ROLE = "default"  # torchrun's role name: rank output is prefixed "[default<rank>]:" as under torchrun
 STOP_GRACE_S = 30  # after a stop signal, how long ranks have to save before SIGKILL (torchrun's shutdown timeout)
+PIDS_FILE = "pids.json"  # in a job's log folder: {rank: pid}
 POLL_S = 0.1  # how often a waiting launcher checks its ranks (elastic's TailLog reads at the same pace)
 
 
@@ -99,13 +101,16 @@ def start(
 ) -> Ranks:
     """Start `nprocs` ranks of `entry(*args)` (a module-level function), forked from the warm fork server
     (started with `preload_modules` if this process has none yet). Each rank's output goes to
-    `log_dir` (a temporary folder if None) and, prefixed with its rank, to this process's stdout/stderr."""
+    `log_dir` (a temporary folder if None) and, prefixed with its rank, to this process's stdout/stderr;
+    `log_dir`/pids.json says which process is which rank."""
     preload(preload_modules)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     run_id = uuid.uuid4().hex[:12]
     envs = {rank: rank_env(rank, nprocs, store.port, run_id) for rank in range(nprocs)}
     logs = DefaultLogsSpecs(log_dir=str(log_dir) if log_dir else None, tee=Std.ALL)
     context = start_processes(ROLE, entry, dict.fromkeys(range(nprocs), args), envs, logs, start_method=START_METHOD)
+    if log_dir:  # a forked rank's /proc/PID/environ is its fork server's: this says which process is which rank
+        (log_dir / PIDS_FILE).write_text(json.dumps(context.pids()))
     return Ranks(context, store)
 
 
