@@ -108,6 +108,7 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
     from repro import recipe as recipes
     from repro import runner, tracking
     from repro.data import DataError
+    from repro.run.options import Launch, LaunchError
     from repro.schema import RecipeError
 
     try:
@@ -122,10 +123,10 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
         resolved = recipes.load_file(path, [*flags, *overrides], flags)
         if resolved.workload != model:
             fail(f"{path}: workload: the recipe is for {resolved.workload!r}, not {model!r}")
-        options = runner.Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition,
-                                dry_run, oversubscribe, ignore_memory)
+        options = Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition,
+                         dry_run, oversubscribe, ignore_memory)
         outcome = runner.execute(resolved, tracking.tracking_uri(tracking_uri), experiment, options)
-    except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, runner.LaunchError) as error:
+    except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, LaunchError) as error:
         fail(str(error))
     if outcome.status == "KILLED":
         fail(f"run stopped; output kept in {outcome.run_dir}; continue it with --resume {outcome.run_dir}",

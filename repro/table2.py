@@ -131,11 +131,13 @@ def cannot_run(cell: Cell, experiment: str) -> str | None:
     check of `repro run`, on the machine (devices, or a launcher that provides them) and the data."""
     from repro import runner
     from repro.data import DataError
+    from repro.run import preflight
+    from repro.run.options import Launch, LaunchError
 
     reasons = []
     try:
-        runner.check_machine(cell.recipe, runner.Launch())
-    except runner.LaunchError as error:
+        runner.check_machine(cell.recipe, Launch())
+    except LaunchError as error:
         recipe = cell.recipe
         command = " ".join([f"repro run {cell.workload} --framework {cell.framework} --gpus {cell.gpus}",
                             f"--nodes {recipe.run.nodes} --scale {recipe.scale}",
@@ -145,7 +147,7 @@ def cannot_run(cell: Cell, experiment: str) -> str | None:
     except registry.Unavailable as error:
         reasons.append(str(error))
     try:
-        runner.check_data(cell.recipe)
+        preflight.check_data(cell.recipe)
     except (DataError, RecipeError) as error:
         reasons.append(str(error))
     return "; and ".join(reasons) or None

@@ -80,7 +80,7 @@ def test_the_follower_wakes_when_the_launcher_exits_and_kills_what_it_left(tmp_p
     """The follower waits on the launcher's exit, not on a poll interval: a 30 s wait ends when the
     launcher does. torchrun starts its workers in sessions of their own: one that outlives the launcher
     is found by the follower's scans of the job's processes (every SCAN_EVERY_S) and killed."""
-    from repro.runner import POLL_S, SCAN_EVERY_S, Job
+    from repro.run.supervision import POLL_S, SCAN_EVERY_S, Job
 
     quick = Job(["sleep", "1"], tmp_path / "quick.log", echo=lambda line: None)
     started = time.monotonic()

@@ -23,7 +23,7 @@ from repro.adapters import megatron_cpu
 from repro.adapters.megatron import MegatronAdapter, qkv_by_head
 from repro.loop import RUN_FILE
 from repro.recipe import load_file, recipe_path
-from repro.runner import verify_data
+from repro.run.preflight import verify_data
 from repro.schema import RecipeError
 from repro.workloads.gpt2 import build_gpt2
 

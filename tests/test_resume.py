@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from conftest import Repro, mlflow_runs, read_events, wait_for_event
-from repro import registry, runner
+from repro import registry
+from repro.run import lifecycle
+from repro.run.options import LaunchError
 from repro.adapters.base import Adapter
 
 # 2 epochs of 128 samples at 4 per GPU: 16 steps an epoch under DDP, 8 under Megatron (4 GPUs), 32 under
@@ -206,8 +208,8 @@ def test_an_adapter_without_checkpoint_or_replicated_state_refuses_resume(repro:
     from repro.recipe import load_file, recipe_path
 
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=fsdp"])
-    with pytest.raises(runner.LaunchError, match=f"^{re.escape(f'--resume: {reason}')}$"):
-        runner.find_resumable(recipe, "latest")
+    with pytest.raises(LaunchError, match=f"^{re.escape(f'--resume: {reason}')}$"):
+        lifecycle.find_resumable(recipe, "latest")
 
 
 def test_resume_with_a_different_recipe_refuses_naming_the_fields(repro):

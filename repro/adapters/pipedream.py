@@ -58,7 +58,7 @@ from torch import nn
 from torch.func import functional_call
 
 from repro.adapters import pipeline
-from repro.adapters.base import Adapter
+from repro.adapters.base import Adapter, Reduction
 from repro.checkpoint import atomic_torch_save
 from repro.communication import CallCounter
 from repro.optim import make_optimizer
@@ -216,7 +216,7 @@ class PipeDreamAdapter(Adapter):
             self.backward_oldest()
         return self.shard_loss(admitted.output) if self.last else None
 
-    def reduce_losses(self, losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+    def reduce_losses(self, losses: list[torch.Tensor | None]) -> Reduction | None:
         return pipeline.last_stage_losses(losses)
 
     def end_epoch(self) -> None:
