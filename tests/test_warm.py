@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import rank_probe
-from repro.runner import ROOT_CAUSE, ROOT_CAUSE_HEADING
+from repro.run.torchrun_failure import describe_failure
 from repro.warm import ranks
 from repro.warm.client import Launcher
 
@@ -34,8 +34,8 @@ def test_a_failed_rank_stops_the_others_and_is_named_as_torchrun_names_it():
     group = ranks.start(rank_probe.fail_on_rank_one, 3, ("7",))
     assert group.wait(timeout=120)
     assert group.exit_codes() == {0: -signal.SIGTERM, 1: 7, 2: -signal.SIGTERM} and group.returncode() == 1
-    summary = group.failure_summary()
-    assert ROOT_CAUSE.search(summary, summary.index(ROOT_CAUSE_HEADING)).groups() == ("1", "1", "7")
+    message, rank = describe_failure(group.failure_summary(), group.returncode(), 4800)  # as the follower reads it
+    assert rank == "1" and message.startswith("rank 1 (local rank 1) failed with exit code 7\n")
 
 
 @pytest.fixture
