@@ -12,6 +12,7 @@ from typing import Callable
 
 from repro import registry
 from repro.data import Verified
+from repro.deferred import DeferredRun
 from repro.recipe import Recipe
 from repro.run import executors, lifecycle, preflight
 from repro.run.executors.base import DRY_RUN_DIR, Executor
@@ -51,6 +52,9 @@ def execute(
                 return Outcome(0, None, run_dir)
         else:
             run_dir, run, spec = lifecycle.new_run(recipe, options, uri, experiment, data, executor.created_status)
+        if isinstance(run, DeferredRun):
+            echo(f"repro: {run.reason}; the run goes on and is recorded in MLflow when the server answers "
+                 f"(delivery tries while the job runs; after it: repro sync {run_dir})")
         return executor.start(run_dir, run, spec, echo, shown)
 
 

@@ -17,6 +17,7 @@ from repro.recipe import Recipe
 from repro.run.executors.base import DRY_RUN_DIR
 from repro.run.executors.local import LocalExecutor
 from repro.run.follower import follow
+from repro.run.lifecycle import read_spec
 from repro.run.options import Launch, Outcome
 from repro.run.progress import Progress
 from repro.warm import plan
@@ -69,4 +70,4 @@ class WarmExecutor(LocalExecutor):
         if self.launcher is not None:
             start = functools.partial(self.launcher.start, plan.RANK_ENTRY, self.processes, [str(run_dir)], run_dir / "ranks")
         returncode, status = follow(self.command(run_dir), run_dir, echo, progress, start)
-        return Outcome(returncode, run.run_id, run_dir, status)
+        return Outcome(returncode, read_spec(run_dir)["mlflow_run_id"], run_dir, status)  # delivery may have made it
