@@ -481,7 +481,9 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def main(run_dir: str) -> None:
+def train(run_dir: str) -> int:
+    """Train this rank of the run in `run_dir`; the exit code: 0, or 128 + the stop signal. The process
+    lives on (a rank forked by repro.warm ends through multiprocessing); `main` ends it at once."""
     run_dir_path = Path(run_dir)
     spec = json.loads((run_dir_path / RUN_FILE).read_text())
     recipe = resolve(spec["recipe"], spec["recipe"]["source"])
@@ -492,7 +494,11 @@ def main(run_dir: str) -> None:
         clean = True
     finally:
         trainer.close(clean)
-    leave(code)
+    return code
+
+
+def main(run_dir: str) -> None:
+    leave(train(run_dir))
 
 
 def leave(code: int) -> None:

@@ -12,6 +12,7 @@ from typing import Callable
 
 from repro import registry
 from repro.data import Verified
+from repro.deferred import DeferredRun
 from repro.recipe import Recipe
 from repro.run import executors, lifecycle, preflight
 from repro.run.executors.base import DRY_RUN_DIR, Executor
@@ -42,15 +43,19 @@ def execute(
     shown = Progress(sys.stderr) if progress else None
     if not executor.records_run:
         return executor.start(options.run_dir.resolve(), None, None, echo, shown)
-    if options.resume:
-        run_dir, run, spec = lifecycle.continue_run(recipe, options, executor.created_status)
-        if run is None:
-            echo(f"{run_dir}: the run is complete (MLflow run {spec['mlflow_run_id']}, {recipe.train.epochs} epochs); "
-                 f"nothing to resume; to train longer: --resume {run_dir} --epochs N")
-            return Outcome(0, None, run_dir)
-    else:
-        run_dir, run, spec = lifecycle.new_run(recipe, options, uri, experiment, data, executor.created_status)
-    return executor.start(run_dir, run, spec, echo, shown)
+    with executor.running():
+        if options.resume:
+            run_dir, run, spec = lifecycle.continue_run(recipe, options, executor.created_status)
+            if run is None:
+                echo(f"{run_dir}: the run is complete (MLflow run {spec['mlflow_run_id']}, {recipe.train.epochs} "
+                     f"epochs); nothing to resume; to train longer: --resume {run_dir} --epochs N")
+                return Outcome(0, None, run_dir)
+        else:
+            run_dir, run, spec = lifecycle.new_run(recipe, options, uri, experiment, data, executor.created_status)
+        if isinstance(run, DeferredRun):
+            echo(f"repro: {run.reason}; the run goes on and is recorded in MLflow when the server answers "
+                 f"(delivery tries while the job runs; after it: repro sync {run_dir})")
+        return executor.start(run_dir, run, spec, echo, shown)
 
 
 def attach(run_dir: Path, command: list[str], echo: Callable[[str], None] = print) -> int:

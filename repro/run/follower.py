@@ -16,7 +16,7 @@ from typing import Callable
 from repro import delivery, events
 from repro.checkpoint import atomic_write_text
 from repro.run.progress import Progress
-from repro.run.supervision import POLL_S, Job
+from repro.run.supervision import POLL_S, Job, LauncherProcess
 from repro.run.torchrun_failure import describe_failure
 
 OUTPUT_FILE = "output.log"
@@ -30,12 +30,14 @@ DELIVERY_BUDGET_S = float(os.environ.get("REPRO_DELIVERY_BUDGET_S", 60))
 SAVED_GRACE_S = 5
 
 
-def follow(command: list[str], run_dir: Path, echo: Callable[[str], None], progress: Progress | None) -> tuple[int, str]:
+def follow(command: list[str], run_dir: Path, echo: Callable[[str], None], progress: Progress | None,
+           start: Callable[[], LauncherProcess] | None = None) -> tuple[int, str]:
     """Run the job while a courier thread delivers its events to MLflow; end the run with the job's status.
 
     FINISHED when the job succeeds; KILLED when it was stopped by a signal (after a stop signal the
     ranks save a checkpoint first, and the run is tagged with how to resume it); FAILED otherwise,
-    with the failing rank and the last lines of output.
+    with the failing rank and the last lines of output. `command` starts the job, unless `start` does
+    (a job of a warm launcher); either way it is what RUN_DIR/command.json records.
     """
     atomic_write_text(run_dir / "command.json", json.dumps(command, indent=2))
     reader = events.EventReader(run_dir / events.EVENTS_FILE)
@@ -46,7 +48,7 @@ def follow(command: list[str], run_dir: Path, echo: Callable[[str], None], progr
     courier.delivery.restart()
     delivery.beat(run_dir)
     courier.start()
-    job = Job(command, run_dir / OUTPUT_FILE, echo)
+    job = Job(start() if start else command, run_dir / OUTPUT_FILE, echo)  # `start`: a job already launched
     interrupted, last_beat = None, time.monotonic()
     outcome = delivery.Outcome("FAILED", "the follower stopped before the job")
     try:

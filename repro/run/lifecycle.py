@@ -13,13 +13,13 @@ import yaml
 
 from repro import checkpoint, registry, tracking
 from repro.data import Verified
+from repro.deferred import DeferredRun
 from repro.delivery import RECIPE_FILE
 from repro.recipe import Recipe, differing_fields, resolve
 from repro.run import record
 from repro.run.options import Launch, LaunchError
-from repro.runfiles import RUN_FILE
+from repro.runfiles import RUN_FILE, RUNS_DIR
 
-RUNS_DIR = Path("runs")
 
 
 def new_run_dir(recipe: Recipe, explicit: Path | None = None) -> Path:
@@ -86,7 +86,7 @@ def refuse_if_different(recipe: Recipe, run_dir: Path, extendable: tuple[str, ..
 
 def new_run(
     recipe: Recipe, options: Launch, uri: str, experiment: str, data: Verified, status: str,
-) -> tuple[Path, tracking.Run, dict]:
+) -> tuple[Path, tracking.Run | DeferredRun, dict]:
     """A new run folder and its MLflow run, created in `status` (SCHEDULED while a Slurm job waits)."""
     run_dir = new_run_dir(recipe, options.run_dir)
     run = record.create(recipe, uri, experiment, data, run_dir, status, options.ignore_memory)
@@ -106,7 +106,7 @@ def complete(recipe: Recipe, position: checkpoint.Position) -> bool:
     return position.epoch >= recipe.train.epochs or bool(max_steps and position.step >= max_steps)
 
 
-def continue_run(recipe: Recipe, options: Launch, status: str) -> tuple[Path, tracking.Run | None, dict]:
+def continue_run(recipe: Recipe, options: Launch, status: str) -> tuple[Path, tracking.Run | DeferredRun | None, dict]:
     """A stopped run's folder and its MLflow run, in `status` again and tagged as resumed; a finished
     run asked for more epochs is extended (its recipe rewritten, the extension tagged). A run already
     complete under `recipe` comes back with no MLflow run: there is nothing to do, and it stays untouched."""
@@ -115,7 +115,7 @@ def continue_run(recipe: Recipe, options: Launch, status: str) -> tuple[Path, tr
     spec, recorded, position = read_spec(run_dir), recorded_recipe(run_dir), checkpoint.latest(run_dir)[1]
     if complete(recipe, position):
         return run_dir, None, spec
-    run = record.reopen(spec["tracking_uri"], spec["mlflow_run_id"], status)
+    run = record.reopen(spec["tracking_uri"], spec["mlflow_run_id"], status, run_dir)
     if recipe.train.epochs != recorded.train.epochs:
         extend(run_dir, spec, run, recipe, recorded.train.epochs, position)
     record.mark_resumed(run, position)

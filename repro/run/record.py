@@ -1,16 +1,18 @@
 """The MLflow run of a run, as the parent writes it: tags and params at the start, reopened on resume.
 
 What the job then does reaches the run through its folder (repro.delivery); how it ended, through
-the follower's outcome. The tags a run's end records are listed here, because a resumed run starts
+the follower's outcome. A server that does not answer does not stop the run: these calls are kept in
+the folder and made by delivery once it answers (repro.deferred). The tags a run's end records are listed here, because a resumed run starts
 without them.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from repro import doctor, registry, tracking
+from repro import deferred, doctor, registry, tracking
 from repro.checkpoint import Position
 from repro.data import Verified
+from repro.deferred import DeferredRun
 from repro.recipe import Recipe
 
 # what a run's end records about that end; a resumed run starts without them
@@ -46,11 +48,12 @@ def run_params(recipe: Recipe) -> dict[str, str]:
 
 
 def create(recipe: Recipe, uri: str, experiment: str, data: Verified, run_dir: Path, status: str,
-           ignore_memory: bool) -> tracking.Run:
-    """A new MLflow run: the recipe's tags and params, the data as its input, in `status`."""
+           ignore_memory: bool) -> tracking.Run | DeferredRun:
+    """A new MLflow run: the recipe's tags and params, the data as its input, in `status`; while the server
+    does not answer, its creation kept in the run folder for delivery to make (repro.deferred)."""
     dataset_input = (recipe.data.dataset, data.sha256, str(data.root.resolve()))
-    return tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data, run_dir, ignore_memory),
-                               run_params(recipe), dataset_input, status)
+    return deferred.create_or_defer(run_dir, uri, experiment, recipe.run_name(),
+                                    run_tags(recipe, data, run_dir, ignore_memory), run_params(recipe), dataset_input, status)
 
 
 def log_inputs(run: tracking.Run, recipe_file: Path) -> None:
@@ -60,9 +63,10 @@ def log_inputs(run: tracking.Run, recipe_file: Path) -> None:
     run.log_dict(doctor.packages(), "packages.json")
 
 
-def reopen(uri: str, run_id: str, status: str) -> tracking.Run:
-    """A stopped run, in `status` again, without the tags of its last end."""
-    run = tracking.Run.reopen(uri, run_id, status)
+def reopen(uri: str, run_id: str | None, status: str, run_dir: Path) -> tracking.Run | DeferredRun:
+    """A stopped run, in `status` again, without the tags of its last end (kept for later, in order, while
+    the server does not answer or calls of an earlier outage wait: repro.deferred)."""
+    run = deferred.reopen_or_defer(run_dir, uri, run_id, status)
     run.delete_tags(END_TAGS)
     return run
 

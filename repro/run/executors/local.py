@@ -8,6 +8,7 @@ from repro import registry, tracking
 from repro.run import preflight
 from repro.run.executors.base import DRY_RUN_DIR, Executor
 from repro.run.follower import follow
+from repro.run.lifecycle import read_spec
 from repro.recipe import Recipe
 from repro.run.options import Launch, Outcome
 from repro.run.progress import Progress
@@ -34,4 +35,4 @@ class LocalExecutor(Executor):
               progress: Progress | None) -> Outcome:
         """Run the job here and follow it into the MLflow run until it ends."""
         returncode, status = follow(self.command(run_dir), run_dir, echo, progress)
-        return Outcome(returncode, run.run_id, run_dir, status)
+        return Outcome(returncode, read_spec(run_dir)["mlflow_run_id"], run_dir, status)  # delivery may have made it
