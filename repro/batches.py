@@ -5,9 +5,14 @@ and validation evaluates each sample exactly once whatever the GPU count (EvenSh
 """
 from __future__ import annotations
 
+import itertools
 from typing import Iterator
 
 import torch
+
+# batches fetched in a row from a dataset that collates them (InProcessBatches): a loss window's worth
+# (repro.loop.SYNC_EVERY), fetched between two of the loop's windows
+FETCHED_TOGETHER = 16
 
 
 class GlobalBatches(torch.utils.data.Sampler):
@@ -66,7 +71,13 @@ class EvenShard(torch.utils.data.Sampler):
 class InProcessBatches:
     """What a DataLoader without workers yields (the same fetch, through `__getitems__` where the dataset
     has it, and the same `default_collate`), without its machinery around each batch (a profiler range
-    and checks): the smoke GPT-2's batch took 71 instead of 126 us of CPU (medians; docs/measurement.md)."""
+    and checks): the smoke GPT-2's batch took 71 instead of 126 us of CPU (medians; docs/measurement.md).
+
+    A dataset that collates a batch itself (`collated(indices)`: bit for bit what `default_collate` makes
+    of its samples, drawing no random numbers) is asked for FETCHED_TOGETHER batches in a row: right
+    after a training step every tensor operation costs several times what it costs in a tight loop
+    (the step has evicted the caches), so the smoke GPT-2's batch took 44 us of CPU a step, against
+    244 one by one after each step (means; docs/measurement.md)."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler):
         self.dataset, self.sampler = dataset, sampler
@@ -75,9 +86,19 @@ class InProcessBatches:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator:
+        if hasattr(self.dataset, "collated"):
+            return self.together()
+        return self.one_by_one()
+
+    def one_by_one(self) -> Iterator:
         fetch = getattr(self.dataset, "__getitems__", None) or (lambda indices: [self.dataset[i] for i in indices])
         for indices in self.sampler:
             yield torch.utils.data.default_collate(fetch(indices))
+
+    def together(self) -> Iterator:
+        sampled = iter(self.sampler)
+        while chunk := list(itertools.islice(sampled, FETCHED_TOGETHER)):
+            yield from [self.dataset.collated(indices) for indices in chunk]
 
 
 def batches(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler, workers: int) -> InProcessBatches | torch.utils.data.DataLoader:

@@ -112,8 +112,10 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
              outcome.returncode or 1)
     if outcome.returncode:
         fail(f"run ended with exit code {outcome.returncode}; output kept in {outcome.run_dir}", outcome.returncode)
-    if outcome.run_id and launcher == "local":
+    if launcher == "local" and outcome.run_id:
         click.echo(f"run {outcome.run_id} finished; files in {outcome.run_dir}", err=True)
+    elif launcher == "local" and outcome.status:  # it trained while MLflow did not answer (repro.deferred)
+        click.echo(f"run finished, not in MLflow yet (repro sync {outcome.run_dir}); files in {outcome.run_dir}", err=True)
 
 
 @main.command(hidden=True, context_settings={"ignore_unknown_options": True})

@@ -29,9 +29,12 @@ OUTPUT_FILE = "output.log"  # the job's output, as the follower saw it
 COMMAND_FILE = "command.json"  # the command line the follower started
 JOB_SCRIPT = "job.sbatch"  # a Slurm run's batch script
 CHECKPOINTS_DIR = "checkpoints"
+RANKS_DIR = "ranks"  # each rank's output as its launcher keeps it (torchrun's --log-dir; a warm job's pids.json)
 LATEST_FILE = "latest.json"  # in CHECKPOINTS_DIR: the pointer to the last complete checkpoint
+DEFERRED_FILE = "deferred.json"  # MLflow calls kept while the tracking server did not answer (repro.deferred)
 # what delivery leaves out of a run's artifacts: its inputs (logged when the run is created) and its bookkeeping
-NOT_ARTIFACTS = {RUN_FILE, RECIPE_FILE, OUTCOME_FILE, HEARTBEAT_FILE, DELIVERY_FILE}
+NOT_ARTIFACTS = {RUN_FILE, RECIPE_FILE, OUTCOME_FILE, HEARTBEAT_FILE, DELIVERY_FILE, DEFERRED_FILE}
+RUNS_DIR = Path("runs")  # where `repro run` makes run folders, relative to where it runs
 
 
 def temporary_name(path: Path) -> Path:
@@ -147,6 +150,10 @@ class RunFolder:
     def output_file(self) -> Path:
         return self.path / OUTPUT_FILE
 
+    @property
+    def ranks_dir(self) -> Path:
+        return self.path / RANKS_DIR
+
     def node_output_file(self, node_rank: int) -> Path:
         """The output of a node other than the first, in a job of several without Slurm."""
         return self.path / f"output-node{node_rank}.log"
@@ -192,6 +199,18 @@ class RunFolder:
 
     def write_delivery(self, state: dict[str, Any]) -> None:
         atomic_write_text(self.path / DELIVERY_FILE, json.dumps(state, indent=2))
+
+    def read_deferred(self) -> dict[str, Any] | None:
+        path = self.path / DEFERRED_FILE
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def write_deferred(self, record: dict[str, Any] | None) -> None:
+        """Keep the deferred calls' record, or with None (none left) remove it."""
+        path = self.path / DEFERRED_FILE
+        if record is None:
+            path.unlink(missing_ok=True)
+        else:
+            atomic_write_text(path, json.dumps(record, indent=2))
 
     # checkpoints: one folder per save, made current by an atomically replaced pointer
     def checkpoint_folder(self, step: int) -> Path:

@@ -12,6 +12,7 @@ from typing import Callable
 
 from repro import registry
 from repro.data import Verified
+from repro.deferred import DeferredRun
 from repro.recipe import Recipe
 from repro.run import executors, lifecycle, preflight
 from repro.run.executors.base import DRY_RUN_DIR, Executor
@@ -43,15 +44,19 @@ def execute(
     shown = Progress(sys.stderr) if progress else None
     if not executor.records_run:
         return executor.start(RunFolder(options.run_dir.resolve()), None, echo, shown)
-    if options.resume:
-        folder, run = lifecycle.continue_run(recipe, options, executor.created_status)
-        if run is None:
-            echo(f"{folder.path}: the run is complete (MLflow run {folder.read_spec().mlflow_run_id}, "
-                 f"{recipe.train.epochs} epochs); nothing to resume; to train longer: --resume {folder.path} --epochs N")
-            return Result(0, None, folder.path)
-    else:
-        folder, run = lifecycle.new_run(recipe, options, uri, experiment, data, executor.created_status)
-    return executor.start(folder, run, echo, shown)
+    with executor.running():
+        if options.resume:
+            folder, run = lifecycle.continue_run(recipe, options, executor.created_status)
+            if run is None:
+                echo(f"{folder.path}: the run is complete (MLflow run {folder.read_spec().mlflow_run_id}, "
+                     f"{recipe.train.epochs} epochs); nothing to resume; to train longer: --resume {folder.path} --epochs N")
+                return Result(0, None, folder.path)
+        else:
+            folder, run = lifecycle.new_run(recipe, options, uri, experiment, data, executor.created_status)
+        if isinstance(run, DeferredRun):
+            echo(f"repro: {run.reason}; the run goes on and is recorded in MLflow when the server answers "
+                 f"(delivery tries while the job runs; after it: repro sync {folder.path})")
+        return executor.start(folder, run, echo, shown)
 
 
 def attach(run_dir: Path, command: list[str], echo: Callable[[str], None] = print) -> int:

@@ -11,6 +11,7 @@ each repeat has its own fingerprint (resumable as any cell) and its seed is reco
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -193,15 +194,31 @@ def run_each(runs: list[tuple[str, Recipe]], uri: str, experiment: str,
     from repro import runner
     from repro.data import DataError
 
+    from repro.run.options import Launch
+
     results, started = [], time.monotonic()
-    for index, (label, recipe) in enumerate(runs, 1):
-        begun, refusal = time.monotonic(), None
-        try:
-            code = runner.execute(recipe, uri, experiment, echo=lambda line: None, progress=False).returncode
-        except (DataError, registry.Unavailable) as error:
-            code, refusal = 1, str(error)
-        results.append((code, refusal))
-        left = (time.monotonic() - started) / index * (len(runs) - index)
-        state = "done" if code == 0 else f"FAILED (exit {code})"
-        out(f"[{index}/{len(runs)}] {label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   ~{left:4.0f}s left")
+    with kept_warm([recipe for _, recipe in runs]) as warm:
+        for index, (label, recipe) in enumerate(runs, 1):
+            begun, refusal = time.monotonic(), None
+            try:
+                code = runner.execute(recipe, uri, experiment, Launch(warm=warm), echo=lambda line: None,
+                                      progress=False).returncode
+            except (DataError, registry.Unavailable) as error:
+                code, refusal = 1, str(error)
+            results.append((code, refusal))
+            left = (time.monotonic() - started) / index * (len(runs) - index)
+            state = "done" if code == 0 else f"FAILED (exit {code})"
+            out(f"[{index}/{len(runs)}] {label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   ~{left:4.0f}s left")
     return results
+
+
+def kept_warm(recipes: list[Recipe]) -> contextlib.AbstractContextManager:
+    """One warm launcher for all the runs (the whole matrix, docs/launch.md), started before the first: its fork
+    server imports, once, what the ranks of every run of CPU stand-ins need; none when no run has such ranks."""
+    from repro.run.executors.warm import stand_in_ranks
+    from repro.run.options import Launch
+    from repro.warm import plan as warm_plan
+    from repro.warm.client import Launcher
+
+    warm = [recipe for recipe in recipes if stand_in_ranks(recipe, Launch())]
+    return Launcher(warm_plan.preload(warm)) if warm else contextlib.nullcontext()

@@ -13,7 +13,7 @@ from typing import Callable
 
 from repro import delivery, events, names
 from repro.run.progress import Progress
-from repro.run.supervision import POLL_S, Job
+from repro.run.supervision import POLL_S, Job, LauncherProcess
 from repro.run.torchrun_failure import describe_failure
 from repro.runfiles import Outcome, RunFolder
 
@@ -26,12 +26,14 @@ DELIVERY_BUDGET_S = float(os.environ.get("REPRO_DELIVERY_BUDGET_S", 60))
 SAVED_GRACE_S = 5
 
 
-def follow(command: list[str], folder: RunFolder, echo: Callable[[str], None], progress: Progress | None) -> tuple[int, str]:
+def follow(command: list[str], folder: RunFolder, echo: Callable[[str], None], progress: Progress | None,
+           start: Callable[[], LauncherProcess] | None = None) -> tuple[int, str]:
     """Run the job while a courier thread delivers its events to MLflow; end the run with the job's status.
 
     FINISHED when the job succeeds; KILLED when it was stopped by a signal (after a stop signal the
     ranks save a checkpoint first, and the run is tagged with how to resume it); FAILED otherwise,
-    with the failing rank and the last lines of output.
+    with the failing rank and the last lines of output. `command` starts the job, unless `start` does
+    (a job of a warm launcher); either way it is what RUN_DIR/command.json records.
     """
     folder.write_command(command)
     reader = events.EventReader(folder.events_file)
@@ -42,7 +44,7 @@ def follow(command: list[str], folder: RunFolder, echo: Callable[[str], None], p
     courier.delivery.restart()
     delivery.beat(folder)
     courier.start()
-    job = Job(command, folder.output_file, echo)
+    job = Job(start() if start else command, folder.output_file, echo)  # `start`: a job already launched
     interrupted, last_beat = None, time.monotonic()
     outcome = Outcome("FAILED", "the follower stopped before the job")
     try:

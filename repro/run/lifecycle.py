@@ -10,12 +10,11 @@ from pathlib import Path
 
 from repro import registry, tracking
 from repro.data import Verified
+from repro.deferred import DeferredRun
 from repro.recipe import Recipe, differing_fields
 from repro.run import record
 from repro.run.options import Launch, LaunchError
-from repro.runfiles import RUN_FILE, Position, RunFolder, Spec
-
-RUNS_DIR = Path("runs")
+from repro.runfiles import RUN_FILE, RUNS_DIR, Position, RunFolder, Spec
 
 
 def new_folder(recipe: Recipe, explicit: Path | None = None) -> RunFolder:
@@ -64,10 +63,10 @@ def refuse_if_different(recipe: Recipe, folder: RunFolder, extendable: tuple[str
 
 def new_run(
     recipe: Recipe, options: Launch, uri: str, experiment: str, data: Verified, status: str,
-) -> tuple[RunFolder, tracking.Run]:
+) -> tuple[RunFolder, tracking.Run | DeferredRun]:
     """A new run folder and its MLflow run, created in `status` (SCHEDULED while a Slurm job waits)."""
     folder = new_folder(recipe, options.run_dir)
-    run = record.create(recipe, uri, experiment, data, folder.path, status, options.ignore_memory)
+    run = record.create(recipe, uri, experiment, data, folder, status, options.ignore_memory)
     spec = Spec(recipe.to_dict(), str(data.root.resolve()), data.sha256, uri, run.run_id)
     recipe_file = folder.write_recipe(spec.recipe)
     folder.write_spec(spec)
@@ -81,7 +80,7 @@ def complete(recipe: Recipe, position: Position) -> bool:
     return position.epoch >= recipe.train.epochs or bool(max_steps and position.step >= max_steps)
 
 
-def continue_run(recipe: Recipe, options: Launch, status: str) -> tuple[RunFolder, tracking.Run | None]:
+def continue_run(recipe: Recipe, options: Launch, status: str) -> tuple[RunFolder, tracking.Run | DeferredRun | None]:
     """A stopped run's folder and its MLflow run, in `status` again and tagged as resumed; a finished
     run asked for more epochs is extended (its recipe rewritten, the extension tagged). A run already
     complete under `recipe` comes back with no MLflow run: there is nothing to do, and it stays untouched."""
@@ -90,14 +89,14 @@ def continue_run(recipe: Recipe, options: Launch, status: str) -> tuple[RunFolde
     spec, recorded, position = folder.read_spec(), folder.recipe(), folder.latest_checkpoint()[1]
     if complete(recipe, position):
         return folder, None
-    run = record.reopen(spec.tracking_uri, spec.mlflow_run_id, status)
+    run = record.reopen(spec.tracking_uri, spec.mlflow_run_id, status, folder)
     if recipe.train.epochs != recorded.train.epochs:
         extend(folder, spec, run, recipe, recorded.train.epochs, position)
     record.mark_resumed(run, position)
     return folder, run
 
 
-def extend(folder: RunFolder, spec: Spec, run: tracking.Run, recipe: Recipe, epochs: int, at: Position) -> None:
+def extend(folder: RunFolder, spec: Spec, run: tracking.Run | DeferredRun, recipe: Recipe, epochs: int, at: Position) -> None:
     """Give the run `recipe`'s epochs: the ranks read them from run.json."""
     spec.recipe = recipe.to_dict()
     recipe_file = folder.write_recipe(spec.recipe)

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from repro import registry
+
+if TYPE_CHECKING:
+    from repro.warm.client import Launcher
 
 
 class LaunchError(registry.Unavailable):
@@ -30,6 +33,7 @@ class Launch:
     dry_run: bool = False
     oversubscribe: bool = False  # more CPU processes than CPU_PROCESSES_PER_CORE x cores, on purpose
     ignore_memory: bool = False  # launch even where the cost model predicts more memory than the devices have
+    warm: Launcher | None = None  # a warm launcher kept across runs (repro table2) for CPU stand-in ranks
 
 
 @dataclass

@@ -1,16 +1,20 @@
 """The MLflow run of a run, as the parent writes it: tags and params at the start, reopened on resume.
 
 What the job then does reaches the run through its folder (repro.delivery); how it ended, through
-the follower's outcome. The names of tags and params are in repro.names.
+the follower's outcome. A server that does not answer does not stop the run: these calls are kept in
+the folder and made by delivery once it answers (repro.deferred). The names of tags and params are in
+repro.names.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from repro import doctor, names, registry, tracking
+from repro import deferred, doctor, names, registry, tracking
 from repro.data import Verified
+from repro.deferred import DeferredRun
 from repro.recipe import Recipe
-from repro.runfiles import Position
+from repro.runfiles import Position, RunFolder
+
 
 def run_tags(recipe: Recipe, data: Verified, run_dir: Path, ignore_memory: bool = False) -> dict[str, str]:
     tags = {
@@ -40,12 +44,14 @@ def run_params(recipe: Recipe) -> dict[str, str]:
     return {**params, **{f"{names.EFFECTIVE}{k}": str(v) for k, v in effective.items()}}
 
 
-def create(recipe: Recipe, uri: str, experiment: str, data: Verified, run_dir: Path, status: str,
-           ignore_memory: bool) -> tracking.Run:
-    """A new MLflow run: the recipe's tags and params, the data as its input, in `status`."""
+def create(recipe: Recipe, uri: str, experiment: str, data: Verified, folder: RunFolder, status: str,
+           ignore_memory: bool) -> tracking.Run | DeferredRun:
+    """A new MLflow run: the recipe's tags and params, the data as its input, in `status`; while the server
+    does not answer, its creation kept in the run folder for delivery to make (repro.deferred)."""
     dataset_input = (recipe.data.dataset, data.sha256, str(data.root.resolve()))
-    return tracking.Run.create(uri, experiment, recipe.run_name(), run_tags(recipe, data, run_dir, ignore_memory),
-                               run_params(recipe), dataset_input, status)
+    return deferred.create_or_defer(folder, uri, experiment, recipe.run_name(),
+                                    run_tags(recipe, data, folder.path, ignore_memory), run_params(recipe), dataset_input,
+                                    status)
 
 
 def log_inputs(run: tracking.Run, recipe_file: Path) -> None:
@@ -55,9 +61,10 @@ def log_inputs(run: tracking.Run, recipe_file: Path) -> None:
     run.log_dict(doctor.packages(), "packages.json")
 
 
-def reopen(uri: str, run_id: str, status: str) -> tracking.Run:
-    """A stopped run, in `status` again, without the tags of its last end."""
-    run = tracking.Run.reopen(uri, run_id, status)
+def reopen(uri: str, run_id: str | None, status: str, folder: RunFolder) -> tracking.Run | DeferredRun:
+    """A stopped run, in `status` again, without the tags of its last end (kept for later, in order, while
+    the server does not answer or calls of an earlier outage wait: repro.deferred)."""
+    run = deferred.reopen_or_defer(folder, uri, run_id, status)
     run.delete_tags(names.END_TAGS)
     return run
 

@@ -52,21 +52,37 @@ def exit_notice(pid: int) -> int | None:
         return None
 
 
-class Job:
-    """The launcher and every process under it, started in its own session and stopped as a whole."""
+class LauncherProcess(subprocess.Popen):
+    """The job's launcher (torchrun, srun's steps, a single rank) with its output piped, in a session of its
+    own: a terminal's Ctrl-C reaches only us; we stop the job in order."""
 
-    def __init__(self, command: list[str], output: Path, echo: Callable[[str], None]):
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop the job in order
-        )
+    def __init__(self, command: list[str]):
+        super().__init__(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                         start_new_session=True)
+
+    def roots(self) -> list[psutil.Process]:
+        """The processes at the top of the job: the launcher, whose tree holds the rest."""
+        return [psutil.Process(self.pid)]
+
+    def exit_notice(self) -> int | None:
+        return exit_notice(self.pid)
+
+
+class Job:
+    """The launcher and every process under it, stopped as a whole.
+
+    The launcher is a process started here from a command line, or one already running that looks like one
+    (repro.warm.client.WarmJob: a job of a warm launcher, whose roots are its ranks)."""
+
+    def __init__(self, launched: list[str] | LauncherProcess, output: Path, echo: Callable[[str], None]):
+        self.process = LauncherProcess(launched) if isinstance(launched, list) else launched
         self.output = output
         self.pump = OutputPump(self.process.stdout, output, echo)
         self.pump.start()
-        self.tree = psutil.Process(self.process.pid)
+        self.roots = self.process.roots()
         self.seen: set[psutil.Process] = set()
         self.scanned_at = -SCAN_EVERY_S
-        self.exited = exit_notice(self.process.pid)
+        self.exited = self.process.exit_notice()
         self.stop_signal: signal.Signals | None = None
         self.stop_sent_at = 0.0
         self.returncode: int | None = None
@@ -97,8 +113,9 @@ class Job:
     def finished(self) -> bool:
         if time.monotonic() - self.scanned_at >= SCAN_EVERY_S:
             self.scanned_at = time.monotonic()
-            with contextlib.suppress(psutil.NoSuchProcess):
-                self.seen.update(self.tree.children(recursive=True))
+            for root in self.roots:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    self.seen.update(root.children(recursive=True))
         if self.stop_sent_at and time.monotonic() - self.stop_sent_at > STOP_GRACE_S:
             self.kill_leftovers()
         if self.process.poll() is None:
@@ -112,7 +129,7 @@ class Job:
         return True
 
     def kill_leftovers(self) -> None:
-        for process in [self.tree, *self.seen]:
+        for process in [*self.roots, *self.seen]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):

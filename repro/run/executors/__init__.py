@@ -9,9 +9,10 @@ from repro.run.executors.base import Executor
 from repro.run.executors.join import JoinExecutor
 from repro.run.executors.local import LocalExecutor
 from repro.run.executors.slurm import SlurmExecutor
+from repro.run.executors.warm import WarmExecutor
 from repro.run.options import Launch
 
-EXECUTORS: tuple[type[Executor], ...] = (SlurmExecutor, JoinExecutor, LocalExecutor)
+EXECUTORS: tuple[type[Executor], ...] = (SlurmExecutor, JoinExecutor, WarmExecutor, LocalExecutor)
 
 
 def for_launch(recipe: Recipe, options: Launch) -> Executor:

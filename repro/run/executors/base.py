@@ -8,6 +8,7 @@ this process keeps a record at all (a node joining another's job does not).
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable
@@ -42,6 +43,11 @@ class Executor(ABC):
     @abstractmethod
     def dry_run(self, data_dir: Path, tracking_uri: str) -> str:
         """What --dry-run prints: the job as it would start, with RUN_DIR for the run folder."""
+
+    def running(self) -> contextlib.AbstractContextManager:
+        """Held from before the run's record is made until its job has ended: what the executor keeps
+        for the job meanwhile (a warm launcher, importing while MLflow is set up)."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def start(self, folder: RunFolder, run: tracking.Run | None, echo: Callable[[str], None],

@@ -35,4 +35,4 @@ class LocalExecutor(Executor):
               progress: Progress | None) -> Result:
         """Run the job here and follow it into the MLflow run until it ends."""
         returncode, status = follow(self.command(folder.path), folder, echo, progress)
-        return Result(returncode, run.run_id, folder.path, status)
+        return Result(returncode, folder.read_spec().mlflow_run_id, folder.path, status)  # delivery may have made it

@@ -1,0 +1,87 @@
+"""The cost model's terms (repro.costmodel): what it knows of a run (Cell), what it predicts (Prediction),
+byte sizes, and the terms every framework's model shares: optimizer state, a whole model's activations,
+layers split into stages. No torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from repro.shapes import GPT2Shape, VGG16Shape
+
+FP32 = 4
+ACTIVATION_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+# optimizer state per parameter element, and per parameter tensor (torch.optim.Adam(W)'s `step` is a
+# 4-byte tensor per parameter; timm's Lamb keeps its step in the param group)
+OPTIMIZER_STATE = {"adam": (2 * FP32, FP32), "adamw": (2 * FP32, FP32), "lamb": (2 * FP32, 0), "sgd": (FP32, 0)}
+
+@dataclass(frozen=True)
+class Cell:
+    """What the model needs of a run: the workload's shape and the framework's settings."""
+
+    shape: GPT2Shape | VGG16Shape
+    framework: str
+    gpus: int
+    batch_per_gpu: int
+    optimizer: str = "adam"
+    precision: str = "fp32"
+    options: dict[str, Any] = field(default_factory=dict)  # the framework's recipe section, as a mapping
+    device: str = "cuda"  # "cpu": dropout keeps a mask of the activations' own dtype (CUDA's fused kernel: 1 byte)
+
+    def option(self, name: str, default: Any) -> Any:
+        return self.options.get(name, default)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Per GPU, the busiest one: model state and activation peak in bytes, payload per step by kind."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int | None  # None: not modelled for this framework and workload
+    comm: dict[str, int]
+
+    @property
+    def model_state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(self.comm.values())
+
+    @property
+    def estimated_peak(self) -> int | None:
+        """Model state + activations: what the CPU stand-ins measure as `memory/estimated_peak_bytes`."""
+        return None if self.activations is None else self.model_state + self.activations
+
+    @property
+    def fit_bytes(self) -> int:
+        """What a device must hold: the estimated peak, or the model state where activations are not modelled."""
+        return self.model_state if self.estimated_peak is None else self.estimated_peak
+
+
+def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
+    per_element, per_tensor = OPTIMIZER_STATE[cell.optimizer]
+    if cell.optimizer == "sgd" and not cell.option("momentum", 0.9):
+        per_element = 0
+    return per_element * elements + per_tensor * tensor_count
+
+
+def activations(cell: Cell, batch: int) -> int | None:
+    """Activation peak of the whole model at `batch` samples on one GPU: the sum of what each layer
+    saves for backward (the peak is reached at the end of the forward; docs/memory.md)."""
+    element = ACTIVATION_ELEMENT[cell.precision]
+    return cell.shape.activation_bytes(batch, element, element if cell.device == "cpu" else 1)
+
+
+def even_balance(layers: int, parts: int) -> list[int]:
+    return [layers // parts + (1 if index < layers % parts else 0) for index in range(parts)]
+
+
+def split(items: list, balance: list[int]) -> list[list]:
+    out, start = [], 0
+    for size in balance:
+        out.append(items[start : start + size])
+        start += size
+    return out
