@@ -14,9 +14,10 @@ import psutil
 import pytest
 
 from conftest import Repro, read_events
-from repro.run import record
-from repro.delivery import State, deliverable_files
+from repro.delivery import State
 from repro.recipe import resolve
+from repro.run import record
+from repro.runfiles import RunFolder
 from repro.tracking import event_metrics
 
 SMALL = ("--set", "data.max_val_samples=16")
@@ -86,7 +87,7 @@ def assert_exactly_once(uri: str, run_dir: Path, status: str) -> None:
     (dataset,) = run.inputs.dataset_inputs
     assert dataset.dataset.digest == recorded["data_sha256"][:36]
     artifacts = {a.path: a.file_size or 0 for a in client(uri).list_artifacts(run.info.run_id)}  # None: empty
-    files = {p.name: p.stat().st_size for p in deliverable_files(run_dir)}
+    files = {p.name: p.stat().st_size for p in RunFolder(run_dir).artifacts()}
     assert {k: v for k, v in artifacts.items() if k not in CREATION_ARTIFACTS} == files
     assert CREATION_ARTIFACTS <= artifacts.keys()
 
