@@ -213,8 +213,9 @@ def run_each(runs: list[tuple[str, Recipe]], uri: str, experiment: str,
 
 
 def kept_warm(recipes: list[Recipe]) -> contextlib.AbstractContextManager:
-    """One warm launcher for all the runs (the whole matrix, docs/launch.md), started before the first: its fork
-    server imports, once, what the ranks of every run of CPU stand-ins need; none when no run has such ranks."""
+    """One warm launcher for runs made one after another (the matrix's cells, the parity runs; docs/launch.md),
+    started before the first: its fork server imports, once, what the ranks of every run of CPU stand-ins
+    need; none when no run has such ranks."""
     from repro.run.executors.warm import stand_in_ranks
     from repro.run.options import Launch
     from repro.warm import plan as warm_plan
