@@ -4,7 +4,7 @@
     preflight        the checks before anything starts, and all --dry-run does
     record           the MLflow run: tags and params at the start, reopened on resume
     lifecycle        the run folder: new, resumed, extended
-    executors        where the job runs: local torchrun, a node joining one, Slurm
+    executors        where the job runs: warm stand-in ranks, local torchrun, a node joining one, Slurm
     supervision      the job's process tree: output, signals forwarded, nothing left behind
     torchrun_failure what torchrun's failure summary says: the failed rank and why
     follower         the loop beside the job: events to MLflow, heartbeat, the end decided
