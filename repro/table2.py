@@ -182,7 +182,6 @@ def run_matrix(
     """Run the cells MLflow lacks and that can run here, one after another, with a progress line per cell."""
     from repro import runner
     from repro.data import DataError
-
     from repro.run.options import Launch
 
     todo, counts = plan(cells, uri, experiment, retry_failed, out)
