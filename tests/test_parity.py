@@ -12,9 +12,11 @@ from repro.parity import GLOBAL_BATCH, Config, Row, compare, recipe_for
 # Loaded by every Python process whose path starts with the folder holding it (sitecustomize): in
 # torchrun's workers, every DDP model gets a communication hook that keeps each rank's own gradient,
 # the bug of a gradient never averaged across ranks.
+# In every rank: one started fresh (torchrun's worker, a single rank: LOCAL_RANK at start), or forked from a
+# warm fork server (repro.warm.fork_server: REPRO_WARM_PRELOAD is in its environment), which loads this first.
 BREAK = '''
 import os
-if "LOCAL_RANK" in os.environ:
+if "LOCAL_RANK" in os.environ or "REPRO_WARM_PRELOAD" in os.environ:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
