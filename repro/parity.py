@@ -137,19 +137,22 @@ def train(recipes: list[Recipe], uri: str, experiment: str, out: Callable[[str],
     """Run the recipes MLflow holds no finished run of; fingerprint -> why one could not run."""
     from repro import runner
     from repro.data import DataError
-    from repro.table2 import held_fingerprints
+    from repro.run.options import Launch
+    from repro.table2 import held_fingerprints, kept_warm
 
     held = held_fingerprints(uri, experiment, retry_failed=True)
     todo = {r.fingerprint(): r for r in recipes if r.fingerprint() not in held}
     problems = {}
-    for index, (key, recipe) in enumerate(todo.items(), 1):
-        try:
-            code = runner.execute(recipe, uri, experiment, echo=lambda line: None, progress=False).returncode
-            if code:
-                problems[key] = f"run failed (exit {code})"
-        except (DataError, registry.Unavailable) as error:
-            code, problems[key] = 1, str(error)
-        out(f"parity [{index}/{len(todo)}] {recipe.run.framework} {recipe.run.gpus}g: {'done' if not code else 'FAILED'}")
+    with kept_warm(list(todo.values())) as warm:
+        for index, (key, recipe) in enumerate(todo.items(), 1):
+            try:
+                code = runner.execute(recipe, uri, experiment, Launch(warm=warm), echo=lambda line: None,
+                                      progress=False).returncode
+                if code:
+                    problems[key] = f"run failed (exit {code})"
+            except (DataError, registry.Unavailable) as error:
+                code, problems[key] = 1, str(error)
+            out(f"parity [{index}/{len(todo)}] {recipe.run.framework} {recipe.run.gpus}g: {'done' if not code else 'FAILED'}")
     return problems
 
 

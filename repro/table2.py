@@ -24,7 +24,7 @@ import yaml
 
 from repro import registry
 from repro.cell import Cell
-from repro.recipe import configs_dir, load_file, recipe_path
+from repro.recipe import Recipe, configs_dir, load_file, recipe_path
 from repro.schema import RecipeError, build
 
 REPEAT_SEED_STRIDE = 1000  # repeats' master seeds lie this far apart (per-rank seeds derive from them)
@@ -186,7 +186,7 @@ def run_matrix(
 
     todo, counts = plan(cells, uri, experiment, retry_failed, out)
     started = time.monotonic()
-    with kept_warm(todo) as warm:
+    with kept_warm([cell.recipe for cell in todo]) as warm:
         for index, cell in enumerate(todo, 1):
             begun = time.monotonic()
             try:
@@ -201,13 +201,14 @@ def run_matrix(
     return counts
 
 
-def kept_warm(cells: list[Cell]) -> contextlib.AbstractContextManager:
-    """One warm launcher for the whole matrix (docs/launch.md), started before the first cell: its fork server
-    imports, once, what the ranks of every cell of CPU stand-ins need; none when no cell has such ranks."""
+def kept_warm(recipes: list[Recipe]) -> contextlib.AbstractContextManager:
+    """One warm launcher for runs made one after another (the matrix's cells, the parity runs; docs/launch.md),
+    started before the first: its fork server imports, once, what the ranks of every run of CPU stand-ins
+    need; none when no run has such ranks."""
     from repro.run.executors.warm import stand_in_ranks
     from repro.run.options import Launch
     from repro.warm import plan as warm_plan
     from repro.warm.client import Launcher
 
-    warm = [cell.recipe for cell in cells if stand_in_ranks(cell.recipe, Launch())]
+    warm = [recipe for recipe in recipes if stand_in_ranks(recipe, Launch())]
     return Launcher(warm_plan.preload(warm)) if warm else contextlib.nullcontext()
