@@ -156,7 +156,8 @@ def zero3(cell: Cell) -> Prediction:
     Parameters: S, plus the first layer's parameters whole: DeepSpeed releases a module's gathered
     parameters from a hook on its input's gradient (parameter_offload.py, PostBackwardFunctionModule),
     and the first layer's input (token ids, images) has none, so they are still gathered when backward
-    ends. Gradients: the flat gradient partition (S), the reduction bucket (reduce_bucket_size elements,
+    ends (with one rank the count finds no second storage: the partition is the whole tensor).
+    Gradients: the flat gradient partition (S), the reduction bucket (reduce_bucket_size elements,
     allocated whole: `ipg_buckets`), a 1-byte overflow flag (`inf_or_nan_tracker`) and 8 bytes of
     scalars (not identified further). Optimizer: the fp32 master partition, its state, one `step`.
     Communication: the partitions are all-gathered (S elements a rank) before the forward and, for a
@@ -170,7 +171,7 @@ def zero3(cell: Cell) -> Prediction:
     n = cell.gpus
     part, count = flat_sharded(cell.shape, n), tensor_count(cell.shape)
     layers = cell.shape.layer_tensors()
-    weights = FP32 * (part + sum(layers[0]))
+    weights = FP32 * (part + (sum(layers[0]) if n > 1 else 0))  # one rank: the gathered tensor is the partition
     grads = FP32 * (part + cell.option("reduce_bucket_size", 500_000_000)) + 1 + 8
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
     regathered, later = 0, sum(sum(layer) for layer in layers)
@@ -324,8 +325,8 @@ def stage_cuts(crossing: list[int], stage: int) -> list[int]:
     return [crossing[cut] for cut in (stage - 1, stage) if 0 <= cut < len(crossing)]
 
 
-def pipeline_state(cell: Cell, sizes: list[int], ranks: int) -> tuple[int, int]:
-    """(parameter elements, parameter tensors) of the busiest rank when stage s of `sizes` runs on rank
+def rank_shares(cell: Cell, sizes: list[int], ranks: int) -> list[tuple[int, int]]:
+    """(parameter elements, parameter tensors) of each rank when stage s of `sizes` runs on rank
     s % ranks; where the first and the last stage are on different ranks, the last keeps its own copy
     of a tied weight (GPT-2's head: repro.adapters.torch_pipeline, repro.adapters.pipeline.untie)."""
     parts = split(cell.shape.layer_tensors(), sizes)
@@ -337,8 +338,7 @@ def pipeline_state(cell: Cell, sizes: list[int], ranks: int) -> tuple[int, int]:
     if last != 0 and cell.shape.tied_elements():
         elements[last] += cell.shape.tied_elements()
         tensors[last] += 1
-    busiest = max(range(ranks), key=lambda rank: (elements[rank], tensors[rank]))
-    return elements[busiest], tensors[busiest]
+    return list(zip(elements, tensors))
 
 
 def torch_pipeline(cell: Cell) -> Prediction:
@@ -355,7 +355,7 @@ def torch_pipeline(cell: Cell) -> Prediction:
     count, ranks = cell.gpus * per_rank, cell.gpus
     weights = [sum(layer) for layer in cell.shape.layer_tensors()]
     sizes = cell.option("balance", None) or balance(weights, count, cell.shape.stage_starts())
-    elements, tensors = pipeline_state(cell, sizes, ranks)
+    elements, tensors = max(rank_shares(cell, sizes, ranks))
     comm: dict[str, int] = {}
     if ranks > 1:
         crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu * cell.gpus)]
@@ -394,14 +394,19 @@ def stage_activations(cell: Cell, sizes: list[int], batch: int, in_flight: Any, 
 def pipedream(cell: Cell) -> Prediction:
     """PipeDream (repro.adapters.pipedream): one stage per rank, from the start event's time-measured
     balance (a prediction without a run splits by parameter count instead: the time balance is known
-    only once measured). Each stage holds its live weights, their gradients and optimizer state (the
-    stashed weight versions, up to S - s per stage, are not in this count). The mini-batch is fixed
+    only once measured). Each stage holds its live weights, their gradients and optimizer state, and the
+    stashed weight versions its in-flight forwards ran on, S - s on stage s (Narayanan et al. 2019,
+    weight stashing; counted with the weights). The mini-batch is fixed
     (batch_per_gpu); per step a stage receives one activation, preceded by a header of HEADER int64,
     and sends one on, and passes one gradient back; stage clipping is local, so nothing else is sent."""
     stages = cell.gpus
     weights = [sum(layer) for layer in cell.shape.layer_tensors()]
     sizes = cell.option("balance", None) or balance(weights, stages, cell.shape.stage_starts())
-    elements, tensors = pipeline_state(cell, sizes, stages)
+    # weight stashing: stage s holds its live weights and S - s versions (one per forward in flight; the
+    # newest, for the next forward, among them: repro.adapters.pipedream.stashed_bytes)
+    states = [(FP32 * (1 + stages - stage) * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors))
+              for stage, (elements, tensors) in enumerate(rank_shares(cell, sizes, stages))]
+    weights, grads, optimizer = max(states, key=sum)
     comm: dict[str, int] = {}
     if stages > 1:
         crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu)]
@@ -411,7 +416,7 @@ def pipedream(cell: Cell) -> Prediction:
     held = None
     if isinstance(cell.shape, GPT2Shape):
         held = stage_activations(cell, sizes, cell.batch_per_gpu, lambda stage: stages - stage)
-    return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), held, comm)
+    return Prediction(weights, grads, optimizer, held, comm)
 
 
 def even_balance(layers: int, parts: int) -> list[int]:

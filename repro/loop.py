@@ -111,8 +111,8 @@ class InProcessBatches:
     A dataset that collates a batch itself (`collated(indices)`: bit for bit what `default_collate` makes
     of its samples, drawing no random numbers) is asked for FETCHED_TOGETHER batches in a row: right
     after a training step every tensor operation costs several times what it costs in a tight loop
-    (the step has evicted the caches), so the smoke GPT-2's batch took 46 us of CPU a step, against
-    264 one by one after each step (means; docs/measurement.md)."""
+    (the step has evicted the caches), so the smoke GPT-2's batch took 44 us of CPU a step, against
+    244 one by one after each step (means; docs/measurement.md)."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler):
         self.dataset, self.sampler = dataset, sampler

@@ -96,10 +96,13 @@ CELLS = {
     # the pipelines: point-to-point at each cut, the tied weight's copy (VGG-16: cuts of other widths)
     "torch-pipeline-1": ("torch-pipeline", 1, []), "torch-pipeline-2": ("torch-pipeline", 2, []),
     "torch-pipeline-4": ("torch-pipeline", 4, []), "torch-pipeline-4-vgg16": ("torch-pipeline", 4, [], "vgg16"),
+    "torch-pipeline-2-interleaved": ("torch-pipeline", 2, ["torch_pipeline.schedule=interleaved-1f1b"]),
     "pipedream-2": ("pipedream", 2, []), "pipedream-4": ("pipedream", 4, []),
     "pipedream-4-vgg16": ("pipedream", 4, [], "vgg16"), "torchgpipe-4-vgg16": ("torchgpipe", 4, [], "vgg16"),
 }
-STEPS = 6  # the communication counter counts the last warm-up step (the 5th)
+# the communication counter counts the last warm-up step (the 5th); PipeDream's first stage of 4 holds its
+# steady S - s = 4 weight versions from its 7th forward on
+STEPS = 8
 
 
 LAUNCH_TIMEOUT_S = 1500  # DeepSpeed JIT-builds its CPU collectives (shm_comm) on first use: minutes on 2 loaded cores

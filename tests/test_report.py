@@ -326,5 +326,6 @@ def test_research_questions_are_answered_from_the_runs(report: Path) -> None:
     assert ("torchgpipe 8.00 MiB at 8 -> 64.00 MiB at 64 (model error over 6 counted smoke cells of ddp, megatron-intra, "
             "zero (reports/model_check.md): model state at most 3.00% (zero), activations at most 8.00% (ddp); "
             "torchgpipe unchecked)") in text["RQ2"]
-    assert "comm at most 4.00% (megatron-hybrid)" in text["RQ5"]
+    # DDP's cells counted memory but no payload: on communication it is unchecked, not silently left out
+    assert "megatron-intra (reports/model_check.md): comm at most 4.00% (megatron-hybrid); ddp unchecked)" in text["RQ5"]
     assert altered["RQ4"].sentences[-1].evidence == PREDICTED

@@ -11,8 +11,8 @@ from repro.report.evidence import COMM_CHECKS, FAILS, HOLDS, MEMORY_CHECKS, Pred
 
 def model_error(predictions: dict[str, Prediction | None], quantities: tuple[str, ...]) -> str:
     """The model's error behind predicted figures of several rows: per quantity the largest over all their
-    counted smoke cells, naming its row, and the rows none of whose cells were counted (unchecked)."""
-    checked = {row: p for row, p in predictions.items() if p and p.checked_cells}
+    counted smoke cells, naming its row, and the rows none of whose cells counted these quantities (unchecked)."""
+    checked = {row: p for row, p in predictions.items() if p and p.checked_cells and set(quantities) & set(p.errors)}
     unchecked = sorted(row for row in predictions if row not in checked)
     worst = []
     for quantity in quantities:
