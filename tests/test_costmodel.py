@@ -226,3 +226,33 @@ def test_the_pipelines_memory_plateau_is_quoted_as_the_models_prediction():
     peaks = [predict_row("gpt2", "pipedream", g).estimated_peak for g in (1, 2, 4)]
     assert peaks[0] / peaks[1] > 1.3 > peaks[1] / peaks[2]  # the model's own figures: a fall, then a flat step
     assert "plateaus from 4 GPUs" in pipedream and f"2 GPUs {peaks[1] / 2**20:.2f} MiB" in pipedream
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_megatrons_layer_is_korthikantis_in_16_bit_with_dropout_plus_what_the_local_spec_adds(tp):
+    """Korthikanti et al. 2022: s b h (10 + 24 / tp + 5 a s / (h tp)) bytes per layer in 16-bit with dropout
+    (1-byte masks: CUDA). The local spec adds the fp32 softmax output (2 a s^2 b / tp bytes more than the
+    paper's 16-bit one) and the layer norms' fp32 statistics (16 s b); docs/memory.md, "Megatron"."""
+    s, h, a, b = 128, 64, 4, 2 * tp  # b: the tp group's sequences, 2 per GPU
+
+    def layers(n: int) -> int:
+        cell = costmodel.Cell(GPT2Shape(n, h, a, s, 256, 0.1), "megatron", tp, 2, precision="bf16", options={"tp": tp})
+        return costmodel.megatron_activations(cell, tp)
+
+    layer = layers(2) - layers(1)
+    assert layer == s * b * h * (10 + 24 // tp) + 5 * a * s * s * b // tp + 2 * a * s * s * b // tp + 16 * s * b
+
+
+def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
+    from repro.predictions import predict_row
+    from repro.report.evidence import Results
+    from repro.report.model_check import paper_predictor
+    from repro.report.predicted import megatron_memory_predicted
+
+    res = Results([], 2, predict=paper_predictor([]))
+    res.workloads = ["gpt2", "vgg16"]
+    gpt2, vgg16 = megatron_memory_predicted(res, {"row": "megatron-intra"})
+    peaks = {g: predict_row("gpt2", "megatron-intra", g).estimated_peak for g in (1, 2, 16)}
+    assert peaks[1] < peaks[2] < peaks[16]  # the tp group's batch grows with tp; the split terms do not shrink per rank
+    assert "lowest at 1 GPU (no U: rises from 1 to 16 GPUs" in gpt2 and f"16 GPUs {peaks[16] / 2**20:.2f} MiB" in gpt2
+    assert "predicted by the cost model" in gpt2 and "not modelled for this workload" in vgg16
