@@ -197,6 +197,11 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     medium = costmodel.predict(costmodel.Cell(GPT2Shape(24, 1024, 16, 1024, 50257, 0.1), "ddp", 64, 32, "lamb", "bf16"))
     assert ddp64[2:5] == [f"{medium.model_state / 2**30:.2f}", f"{medium.activations / 2**30:.2f}",
                           f"{medium.estimated_peak / 2**30:.2f}"] and ddp64[-1] == "none"  # 38 GiB: no V100 holds it
+    from repro.predictions import memory_minimum, predict_row
+
+    intra = {g: predict_row("gpt2", "megatron-intra", g) for g in (1, 2, 4, 8, 16, 32, 64)}
+    lowest, shape = memory_minimum({g: p.estimated_peak for g, p in intra.items() if p})
+    assert f"megatron-intra's peak per GPU is lowest at {lowest} GPU{'s' if lowest > 1 else ''} ({shape})" in map(str.strip, lines)
 
 
 def test_the_model_gives_the_counted_model_state_of_docs_and_the_issue():

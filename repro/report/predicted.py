@@ -99,7 +99,7 @@ def megatron_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
     """Where Megatron-intra's memory per GPU (model state + activations) has its minimum at the paper's
     scale and GPU counts, from the cost model: a prediction beside the measured verdict, with the
     model's error. Counts whose tp does not split the heads have no prediction (left out)."""
-    from repro.predictions import quoted
+    from repro.predictions import memory_minimum, quoted
     from repro.table2 import load_matrix
 
     if res.predict is None:
@@ -113,9 +113,7 @@ def megatron_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
             notes.append(f"{w} {t['row']} at paper scale: no memory prediction ({why})")
             continue
         gpus = sorted(memory)
-        lowest = min(gpus, key=memory.get)
-        shape = ("a U" if gpus[0] < lowest < gpus[-1] else
-                 f"no U: {'rises' if lowest == gpus[0] else 'falls'} from {gpus[0]} to {gpus[-1]} GPUs")
+        lowest, shape = memory_minimum(memory)
         error = model_error({t["row"]: figures[gpus[-1]]}, MEMORY_CHECKS)
         notes.append(f"{w} {t['row']} at paper scale, memory per GPU lowest at {lowest} GPU{'s' if lowest > 1 else ''} "
                      f"({shape}; local layer spec), "
