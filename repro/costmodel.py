@@ -18,6 +18,7 @@ repro.communication counts). What a ring moves on the wire follows from it (`wir
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -286,8 +287,10 @@ def megatron(cell: Cell) -> Prediction:
         reduced += FP32 if cell.option("grad_clip", None) else 0
     if dp > 1:
         reduced += FP32 * psi
-    return Prediction(FP32 * psi, FP32 * psi, optimizer_bytes(cell, psi, count), megatron_activations(cell, tp),
-                      {"all_reduce": reduced})
+    # on GPUs the adapter takes Transformer Engine's fused layers where installed: their activations are not modelled
+    local = cell.device == "cpu" or importlib.util.find_spec("transformer_engine") is None
+    return Prediction(FP32 * psi, FP32 * psi, optimizer_bytes(cell, psi, count),
+                      megatron_activations(cell, tp) if local else None, {"all_reduce": reduced})
 
 
 def megatron_activations(cell: Cell, tp: int) -> int:

@@ -8,6 +8,7 @@ a different ZeRO bucket or tp degree moves both sides.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -246,6 +247,16 @@ def test_megatrons_layer_is_korthikantis_in_16_bit_with_dropout_plus_what_the_lo
 
     layer = layers(2) - layers(1)
     assert layer == s * b * h * (10 + 24 // tp) + 5 * a * s * s * b // tp + 2 * a * s * s * b // tp + 16 * s * b
+
+
+def test_megatron_activations_are_the_local_specs_only(monkeypatch):
+    """On GPUs the adapter uses Transformer Engine's layers where installed (repro.adapters.megatron.layer_spec_name):
+    no activation prediction there; the CPU always runs the local spec."""
+    cell = costmodel.Cell(GPT2Shape(4, 64, 4, 64, 256, 0.0), "megatron", 2, 8, options={"tp": 2})
+    assert costmodel.predict(cell).activations == costmodel.megatron_activations(cell, 2)
+    monkeypatch.setattr(costmodel.importlib.util, "find_spec", lambda name: object() if name == "transformer_engine" else None)
+    assert costmodel.predict(cell).activations is None
+    assert costmodel.predict(dataclasses.replace(cell, device="cpu")).activations == costmodel.megatron_activations(cell, 2)
 
 
 def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
