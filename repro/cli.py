@@ -314,7 +314,8 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
     \b
     Model state, activations and their sum (the estimated peak, without the allocator's cache and
     communication scratch) per GPU, the payload each GPU hands to communication per step, and on
-    which devices the estimated peak fits. The model is checked against counted runs at smoke scale
+    which devices the estimated peak fits; then at how many GPUs Megatron-intra's peak is lowest (the
+    paper's U). The model is checked against counted runs at smoke scale
     (reports/model_check.md); 16-bit activations and GPU-only paths are unchecked. Imports no torch.
 
     \b
