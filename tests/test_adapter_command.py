@@ -9,6 +9,8 @@ import pytest
 from repro import launch, registry, runner
 from repro.recipe import load_file, recipe_path
 
+pytestmark = pytest.mark.units
+
 
 def test_default_command_is_torchrun_of_the_loop() -> None:
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.gpus=3"])

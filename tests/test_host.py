@@ -10,6 +10,8 @@ import pytest
 
 from host import package_of
 
+pytestmark = pytest.mark.units
+
 TESTS = Path(__file__).resolve().parent
 
 

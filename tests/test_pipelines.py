@@ -80,12 +80,14 @@ def plain_losses(recipe, batches) -> list[float]:
 
 # -- shared helpers ------------------------------------------------------------------------------
 
+@pytest.mark.units
 def test_balance_costs_minimises_the_slowest_partition():
     assert pipeline.balance_costs([1, 1, 1, 1], 2) == [2, 2]
     assert pipeline.balance_costs([5, 1, 1, 1, 1, 1], 2) == [1, 5]
     assert pipeline.balance_costs([1, 2, 3, 4, 5], 3) == [3, 1, 1]
 
 
+@pytest.mark.units
 def test_untie_copies_a_parameter_shared_across_groups_only():
     recipe = tiny_recipe("ddp", 1)
     model = registry.workload_class("gpt2")(recipe.model, recipe.data, None).build_model()
@@ -99,6 +101,7 @@ def test_untie_copies_a_parameter_shared_across_groups_only():
 
 # -- torchgpipe ----------------------------------------------------------------------------------
 
+@pytest.mark.units
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 @pytest.mark.parametrize("balance", [[2, 2], [1, 1, 1, 1]])
 def test_gpipe_equals_plain_training(balance, checkpoint):
@@ -115,12 +118,13 @@ def test_gpipe_equals_plain_training(balance, checkpoint):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.units
 def test_gpipe_refuses_several_nodes():
     with pytest.raises(RecipeError, match="torchgpipe drives the GPUs of one node only"):
         tiny_recipe("torchgpipe", 4, "run.nodes=2")
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_gpipe_vgg16_smoke_runs_on_cpu(repro):
     result = repro(
         "run", "vgg16", "--framework", "torchgpipe", "--gpus", "4", "--scale", "smoke", "--max-steps", "2",
@@ -139,6 +143,7 @@ VALIDATION = token_batches(3, count=2)  # a batch size the training never used
 PLAIN_SGD = "train.optimizer={name: sgd, lr: 0.5, momentum: 0.0, weight_decay: 0.0}"
 
 
+@pytest.mark.units
 def test_pipedream_one_stage_equals_plain_sgd():
     recipe = tiny_recipe("pipedream", 1, PLAIN_SGD, "pipedream.balance=[4]")
     adapter, _ = build(recipe)
@@ -211,7 +216,7 @@ def reference_pipedream(balance: list[int], vertical_sync: bool) -> tuple[list[f
     return losses, [h[-1] for h in history], sums
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("balance", [[2, 2], [1, 1, 1, 1]])
 @pytest.mark.parametrize("vertical_sync", [False, True])
 def test_pipedream_stages_match_stashed_stale_arithmetic(tmp_path, balance, vertical_sync):
@@ -267,7 +272,7 @@ def resumable_stage_worker(
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("vertical_sync", [False, True])
 def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, vertical_sync):
     """Stopped twice between steps with mini-batches in flight and gradients in transit (at 2 the pipeline
@@ -302,7 +307,7 @@ def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, vertical_s
         assert all(torch.equal(resumed["weights"][n], w) for n, w in left_alone["weights"].items())
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_pipedream_gpt2_smoke_runs_on_cpu_and_reports_the_last_stage(repro):
     result = repro(
         "run", "gpt2", "--framework", "pipedream", "--gpus", "4", "--scale", "smoke", "--max-steps", "6", *SMALL_VALIDATION

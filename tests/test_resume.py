@@ -115,7 +115,7 @@ def mlflow_run(repro: Repro, run_dir: Path):
     return run
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("framework", registered())
 def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, references: References, framework: str,
                                                       tmp_path: Path):
@@ -156,7 +156,7 @@ def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, refe
     assert sorted(m.step for m in history) == list(range(1, steps + 1))  # every step once: none lost, none repeated
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_resume_of_a_finished_run_changes_nothing_and_more_epochs_extend_it(shared_repro: Repro, references: References):
     from mlflow.tracking import MlflowClient
 
@@ -188,6 +188,7 @@ def test_resume_of_a_finished_run_changes_nothing_and_more_epochs_extend_it(shar
     assert curve(read_events(run_dir)) == curve(read_events(references.run_dir("ddp")))
 
 
+@pytest.mark.units
 def test_an_adapter_without_checkpoint_or_replicated_state_refuses_resume(repro: Repro, monkeypatch):
     class Sharded(Adapter):
         pass
@@ -210,6 +211,7 @@ def test_an_adapter_without_checkpoint_or_replicated_state_refuses_resume(repro:
         runner.find_resumable(recipe, "latest")
 
 
+@pytest.mark.units
 def test_resume_with_a_different_recipe_refuses_naming_the_fields(repro):
     from repro.recipe import load_file, recipe_path
 

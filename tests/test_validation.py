@@ -21,6 +21,8 @@ from repro import cli, hardware, registry, runner, tracking
 from repro.data.sets import DATASETS
 from repro.recipe import SCALES, recipe_path
 
+pytestmark = pytest.mark.units
+
 CASES_PER_CLASS = 22
 TESTED: Counter[str] = Counter()  # cases walked per class
 
