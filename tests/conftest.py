@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import tiers
+from host import need
 from references import References
 from mlflow_server import tracking_server  # noqa: F401 (a fixture: the PostgreSQL-backed MLflow server)
 
@@ -94,6 +95,13 @@ def wait_for_event(
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: an unmarked test must not vanish from every tier
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers.check_every_test_has_one_tier(items)
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture starts a daemon
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked programs(...) fails in one line naming the Debian packages missing here."""
+    for mark in item.iter_markers("programs"):
+        need(*mark.args)
 
 
 @pytest.fixture(autouse=True)

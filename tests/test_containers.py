@@ -107,6 +107,7 @@ def test_image_labels_are_read_from_the_build_and_servers_match_the_pins() -> No
 
 
 @pytest.mark.services
+@pytest.mark.programs("docker-compose")
 def test_compose_file_is_accepted_and_wires_the_services() -> None:
     out = subprocess.run(
         [program("docker-compose"), "-f", str(REPO / "docker-compose.yml"), "config"],

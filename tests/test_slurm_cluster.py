@@ -10,8 +10,9 @@ import pytest
 
 from conftest import mlflow_runs, read_events
 from repro import events as event_kinds
+from slurm_cluster import PROGRAMS
 
-pytestmark = pytest.mark.services
+pytestmark = [pytest.mark.services, pytest.mark.programs(*PROGRAMS)]
 
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 SMALL = ("--set", "data.max_train_samples=128", "--set", "data.max_val_samples=32")

@@ -14,12 +14,13 @@ import psutil
 import pytest
 
 from conftest import Repro, read_events
+from mlflow_server import POSTGRESQL
 from repro import runner
 from repro.delivery import State, deliverable_files
 from repro.recipe import resolve
 from repro.tracking import event_metrics
 
-pytestmark = pytest.mark.services
+pytestmark = [pytest.mark.services, pytest.mark.programs(*POSTGRESQL)]
 
 SMALL = ("--set", "data.max_val_samples=16")
 CREATION_ARTIFACTS = {"recipe.yaml", "environment.json", "packages.json"}
