@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 import ranks
-from conftest import Repro, mlflow_runs
+from conftest import Repro, Result, mlflow_runs
 from references import STEPS, gpt2, plain_gpt2
 from repro.recipe import load_file, recipe_path
 
@@ -37,10 +37,14 @@ def test_same_recipe_and_seed_give_identical_curves(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Repro:
+def ddp_repro(tmp_path_factory: pytest.TempPathFactory) -> Repro:
+    return Repro(tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ddp_repro: Repro) -> Result:
     """A real `repro run` of the reference DDP-2 recipe, in a scratch folder and MLflow store of its own."""
-    repro = Repro(tmp_path_factory.mktemp("ddp"))
-    recipe = gpt2("ddp", 2)
+    repro, recipe = ddp_repro, gpt2("ddp", 2)
     (repro.cwd / "ddp-2.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     out = repro("run", "gpt2", "--recipe", "ddp-2.yaml", "--framework", "ddp", "--gpus", "2")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -48,10 +52,10 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Repro:
 
 
 @pytest.mark.end_to_end
-def test_mlflow_holds_the_run_with_tags_params_metrics_and_artifacts(two_ranks, references) -> None:
+def test_mlflow_holds_the_run_with_tags_params_metrics_and_artifacts(two_ranks, ddp_repro, references) -> None:
     from mlflow.tracking import MlflowClient
 
-    (run,) = [r for r in mlflow_runs(two_ranks.tracking_uri) if r.info.run_name == "gpt2-ddp-2g-smoke-s1234"]
+    (run,) = [r for r in mlflow_runs(ddp_repro.tracking_uri) if r.info.run_name == "gpt2-ddp-2g-smoke-s1234"]
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert (tags["repro.model"], tags["repro.framework"], tags["repro.gpus"], tags["repro.nodes"]) == ("gpt2", "ddp", "2", "1")
@@ -60,7 +64,7 @@ def test_mlflow_holds_the_run_with_tags_params_metrics_and_artifacts(two_ranks, 
     assert "repro.git_sha" in tags and "repro.unverified_data" not in tags
     assert run.data.params["train.batch_per_gpu"] == "4" and run.data.params["run.gpus"] == "2"
     assert tags["repro.recipe_sha256"] == gpt2("ddp", 2).fingerprint()
-    client = MlflowClient(tracking_uri=two_ranks.tracking_uri)
+    client = MlflowClient(tracking_uri=ddp_repro.tracking_uri)
     losses = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in losses] == list(range(1, STEPS + 1))
     assert [m.value for m in losses] == pytest.approx(two_ranks.losses(), abs=0)
