@@ -170,7 +170,7 @@ def probe(folder: Path, framework: str, gpus: int, *overrides: str) -> dict:
         f"run.framework={framework}", f"run.gpus={gpus}", f"train.max_steps={STEPS}", *overrides,
     ])
     run_dir = ranks.write_run_file(recipe, folder / f"{framework}-{gpus}g-{'-'.join(overrides)}")
-    ranks.start_ranks(run_dir, gpus, logits_probe.main)
+    ranks.start_ranks(gpus, logits_probe.main, run_dir)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     return {
         "losses": [e["loss"] for e in events if e["event"] == "step"],

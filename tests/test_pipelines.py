@@ -1,7 +1,8 @@
 """Pipeline frameworks: torchgpipe equals plain training; PipeDream's schedule, stashing and staleness.
 
 The in-process tests drive the adapters directly on a tiny GPT-2 (4 layers: embedding, two blocks,
-tied head) with synthetic tokens; the slow tests run the real CLI on the smoke recipes.
+tied head) with synthetic tokens (units), stages in forked gloo ranks (ranks); the end-to-end tests run
+the real CLI on the smoke recipes.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.func import functional_call
 
 from repro import events, registry, seeding, tracking
@@ -22,7 +22,7 @@ from repro.adapters.base import RunContext
 from repro.optim import make_optimizer
 from repro.recipe import load_file, recipe_path
 from repro.schema import RecipeError
-from host import free_port
+from ranks import start_ranks
 
 TINY_GPT2 = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.seq_len=16", "train.batch_per_gpu=2"]
 STEPS = 5
@@ -160,11 +160,11 @@ def loss_value(loss: torch.Tensor | None) -> float | None:
     return None if loss is None else float(loss)
 
 
-def stage_worker(rank: int, world: int, port: int, overrides: list[str], out: Path) -> None:
-    """One stage: train STEPS mini-batches, drain and validate, then save what it saw."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def stage_worker(overrides: list[str], out: Path) -> None:
+    """One stage (a rank started by tests/ranks.py): train STEPS mini-batches, drain and validate, then save what it saw."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     try:
         recipe = tiny_recipe("pipedream", world, *overrides)
         adapter, _ = build(recipe, rank, world)
@@ -184,7 +184,7 @@ def stage_worker(rank: int, world: int, port: int, overrides: list[str], out: Pa
 def run_stages(tmp_path: Path, balance: list[int], vertical_sync: bool) -> list[dict]:
     overrides = [PLAIN_SGD, f"pipedream.balance={balance}", f"pipedream.vertical_sync={vertical_sync}"]
     world = len(balance)
-    mp.start_processes(stage_worker, (world, free_port(), overrides, tmp_path), nprocs=world, start_method="fork")
+    start_ranks(world, stage_worker, overrides, tmp_path)
     return [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
 
 
@@ -243,15 +243,13 @@ def test_pipedream_stages_match_stashed_stale_arithmetic(tmp_path, balance, vert
         torch.testing.assert_close(stage["val_sums"], expected_sums, atol=1e-4, rtol=0)
 
 
-def resumable_stage_worker(
-    rank: int, world: int, port: int, overrides: list[str], out: Path, first: int, stop: int,
-) -> None:
+def resumable_stage_worker(overrides: list[str], out: Path, first: int, stop: int) -> None:
     """One stage trains mini-batches [first, stop) of STEPS, as one process of a run that may be stopped and
     resumed: it restores out/checkpoint when first > 0, and saves there when it stops before the end (with the
     generator state, as the loop does); otherwise it drains. Then it saves what it saw."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     folder, random_file = out / "checkpoint", out / "checkpoint" / f"random-{rank}.pt"
     try:
         adapter, _ = build(tiny_recipe("pipedream", world, *overrides), rank, world)
@@ -283,8 +281,7 @@ def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, vertical_s
     (tmp_path / "checkpoint").mkdir()
 
     def run(first: int, last: int) -> list[dict]:
-        args = (4, free_port(), overrides, tmp_path, first, last)
-        mp.start_processes(resumable_stage_worker, args, nprocs=4, start_method="fork")
+        start_ranks(4, resumable_stage_worker, overrides, tmp_path, first, last)
         return [torch.load(tmp_path / f"{first}-{last}-{rank}.pt") for rank in range(4)]
 
     def saved_in_flight() -> list[list[dict]]:
