@@ -14,7 +14,7 @@
 - the smoke `reproduce-table2` wall time from a fresh MLflow store.
 
 Writes reports/bench.json, each figure beside its goal, with the load average before and after (a
-loaded machine inflates every time). Usage: python bench/run.py [--only overhead,verify,table2] [--pairs 24] [--rounds 3]
+loaded machine inflates every time). Usage: python bench/run.py [--only overhead,verify,table2] [--pairs 16] [--rounds 2]
 """
 from __future__ import annotations
 
@@ -148,10 +148,19 @@ def paired_in_job(framework: str, count: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"paired-{framework}.json"
         run(bench_job("paired.py", framework, out, count), Path(tmp), {"PYTHONPATH": str(ROOT)})
-        found = json.loads(out.read_text())
+        return paired_summary(json.loads(out.read_text()))
+
+
+def paired_summary(found: dict) -> dict[str, object]:
+    """The paired job's figures from what it wrote: the kit's mean step against the baseline's, as a share
+    and in microseconds a step, each with its 95% interval, and the loop's own time (harness_share)."""
     pairs = found["pairs"]
     kit, minimal = (statistics.fmean(pair[side] for pair in pairs) for side in ("kit", "minimal"))
-    return {"overhead": kit / minimal - 1, "interval95": interval95([pair["kit"] / pair["minimal"] - 1 for pair in pairs]),
+    interval = interval95([pair["kit"] / pair["minimal"] - 1 for pair in pairs])
+    return {"overhead": kit / minimal - 1, "interval95": interval,
+            # the same in microseconds a step, to set beside the loop's own time (harness.us)
+            "overhead_us": (kit - minimal) * 1e6,
+            "interval95_us": [bound * minimal * 1e6 for bound in interval] if interval else None,
             "repro_step_s": kit, "minimal_step_s": minimal, "steps_per_block": found["steps_per_block"], "warm_up": found["warm_up"],
             "harness": harness_share(pairs), "pairs": pairs}
 
@@ -169,6 +178,7 @@ def harness_share(pairs: list[dict]) -> dict[str, object]:
 def overhead(framework: str, rounds: int, pairs: int) -> dict[str, object]:
     """The kit's cost per step: the loop's, paired inside one job, plus what its processes beside the
     ranks cost (read in separate jobs, which also give a second, noisier estimate of the whole)."""
+    started = time.perf_counter()
     separate, paired = separate_jobs(framework, rounds), paired_in_job(framework, pairs)
     spent = separate["budget"]
     extra_launcher = max(spent["extra_launcher_us_per_step"], 0.0)  # same torchrun plus --tee: never less
@@ -178,7 +188,7 @@ def overhead(framework: str, rounds: int, pairs: int) -> dict[str, object]:
     whole = verdict(separate["interval95"], goal)
     return {"overhead": paired["overhead"] + beside, "goal": goal, "met": overhead_met(verdict(interval, goal), whole),
             "interval95": interval, "beside_ranks": beside, "harness": paired["harness"], "paired": paired,
-            "separate_jobs": {**separate, "met": whole}}
+            "separate_jobs": {**separate, "met": whole}, "seconds": time.perf_counter() - started}
 
 
 def overhead_met(parts: bool | None, whole: bool | None) -> bool | None:
@@ -307,9 +317,12 @@ def print_overhead(framework: str, figure: dict) -> None:
     print(f"harness overhead {framework}: {figure['overhead']:+.1%} (goal <= {GOALS['overhead']:.0%}; 95% interval "
           f"{low:+.1%}..{high:+.1%}): {VERDICTS[figure['met']]}")
     pair_low, pair_high = bounds(paired["interval95"])
+    us_low, us_high = bounds(paired["interval95_us"])
     print(f"  the loop, paired in one job: {paired['overhead']:+.1%} ({paired['repro_step_s'] * 1e3:.2f} ms vs "
           f"{paired['minimal_step_s'] * 1e3:.2f} ms per step over {len(paired['pairs'])} pairs of "
-          f"{paired['steps_per_block']}-step blocks; interval {pair_low:+.1%}..{pair_high:+.1%})")
+          f"{paired['steps_per_block']}-step blocks; interval {pair_low:+.1%}..{pair_high:+.1%}), "
+          f"{paired['overhead_us']:+.0f} us a step ({us_low:+.0f}..{us_high:+.0f}) beside the loop's own "
+          f"{harness['us']:.0f} us")
     print(f"  beside the ranks: {figure['beside_ranks']:+.2%}: follower {spent['follower_cores']:.1%} of a core "
           f"({spent['follower_us_per_step']:.0f} us a step), launcher +{spent['extra_launcher_us_per_step']:.0f} us "
           f"a step over the baseline's; the loop reads the host {spent['host_reads_per_step']:.3f} times a step")
@@ -318,13 +331,15 @@ def print_overhead(framework: str, figure: dict) -> None:
     print(f"  as separate jobs: {separate['overhead']:+.1%} ({separate['repro_step_s'] * 1e3:.2f} ms vs "
           f"{separate['minimal_step_s'] * 1e3:.2f} ms; rounds {rounds}; interval {sep_low:+.1%}..{sep_high:+.1%}): "
           f"on its own {VERDICTS[separate['met']]}")
+    print(f"  ({figure['seconds'] / 60:.1f} minutes)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="overhead,verify,table2")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating kit/baseline jobs per framework")
-    parser.add_argument("--pairs", type=int, default=24, help="alternating kit/baseline blocks inside one job")
+    # the defaults keep `--only overhead` (DDP and ZeRO) near 8 minutes on a quiet 2-core machine
+    parser.add_argument("--rounds", type=int, default=2, help="alternating kit/baseline jobs per framework")
+    parser.add_argument("--pairs", type=int, default=16, help="alternating kit/baseline blocks inside one job")
     parser.add_argument("--frameworks", default="ddp,zero", help="frameworks of the overhead figure")
     args = parser.parse_args()
     parts = args.only.split(",")

@@ -108,6 +108,7 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
     from repro import recipe as recipes
     from repro import runner, tracking
     from repro.data import DataError
+    from repro.run.options import Launch, LaunchError
     from repro.schema import RecipeError
 
     try:
@@ -122,18 +123,20 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
         resolved = recipes.load_file(path, [*flags, *overrides], flags)
         if resolved.workload != model:
             fail(f"{path}: workload: the recipe is for {resolved.workload!r}, not {model!r}")
-        options = runner.Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition,
-                                dry_run, oversubscribe, ignore_memory)
+        options = Launch(launcher, node_rank, rdzv_endpoint, run_dir, resume, image, time_limit, partition,
+                         dry_run, oversubscribe, ignore_memory)
         outcome = runner.execute(resolved, tracking.tracking_uri(tracking_uri), experiment, options)
-    except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, runner.LaunchError) as error:
+    except (RecipeError, DataError, registry.UnknownName, registry.Unavailable, LaunchError) as error:
         fail(str(error))
     if outcome.status == "KILLED":
         fail(f"run stopped; output kept in {outcome.run_dir}; continue it with --resume {outcome.run_dir}",
              outcome.returncode or 1)
     if outcome.returncode:
         fail(f"run ended with exit code {outcome.returncode}; output kept in {outcome.run_dir}", outcome.returncode)
-    if outcome.run_id and launcher == "local":
+    if launcher == "local" and outcome.run_id:
         click.echo(f"run {outcome.run_id} finished; files in {outcome.run_dir}", err=True)
+    elif launcher == "local" and outcome.status:  # it trained while MLflow did not answer (repro.deferred)
+        click.echo(f"run finished, not in MLflow yet (repro sync {outcome.run_dir}); files in {outcome.run_dir}", err=True)
 
 
 @main.command(hidden=True, context_settings={"ignore_unknown_options": True})

@@ -22,13 +22,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from repro.shapes import GPT2Shape, VGG16Shape, parameters, shape_of, tensor_at, tensor_count
+from repro.partition import balance
+from repro.shapes import GPT2Shape, VGG16Shape, dim0_sharded, flat_sharded, parameters, shape_of, tensor_at, tensor_count
 
 FP32 = 4
 ACTIVATION_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 # optimizer state per parameter element, and per parameter tensor (torch.optim.Adam(W)'s `step` is a
 # 4-byte tensor per parameter; timm's Lamb keeps its step in the param group)
 OPTIMIZER_STATE = {"adam": (2 * FP32, FP32), "adamw": (2 * FP32, FP32), "lamb": (2 * FP32, 0), "sgd": (FP32, 0)}
+PIPEDREAM_HEADER = 8 * 8  # repro.adapters.pipedream.HEADER int64 slots before each activation
 DEEPSPEED_ALIGNMENT = 2  # deepspeed/runtime/zero/stage_1_and_2.py: nccl_start_alignment_factor (x dp size)
 # the checked bounds (issue 29): model state and communication exact to 1%, activations to 5%
 BOUNDS = {"model_state": 0.01, "activations": 0.05, "comm": 0.01}
@@ -112,33 +114,74 @@ def zero_partition(psi: int, ranks: int) -> int:
 
 
 def zero(cell: Cell) -> Prediction:
-    """DeepSpeed ZeRO, stages 1-3 (docs/memory.md's table; Rajbhandari et al. 2020, section 5).
+    """DeepSpeed ZeRO, stages 1-2 (docs/memory.md's table; Rajbhandari et al. 2020, section 5); stage 3:
+    `zero3`.
 
-    Parameters: the padded flat buffer of the whole model (stages 1-2) or one partition of it (3).
+    Parameters: the padded flat buffer of the whole model.
     Optimizer: an fp32 master copy of the partition and the optimizer's state of it, plus Adam's one
     `step` tensor (ZeRO's inner optimizer steps one flat tensor per group).
-    Gradients: stage 1 every `.grad` plus one reduction bucket; stages 2-3 the partition and one bucket,
+    Gradients: stage 1 every `.grad` plus one reduction bucket; stage 2 the partition and one bucket,
     plus the whole gradient of each parameter that straddles the rank's partition edge (DeepSpeed keeps
     such a parameter's gradient whole; the busiest rank counts), plus the gradient that completes last in
     backward when it is larger than the bucket (`held_whole`), plus one fp32 scalar the ZeRO
     optimizer holds at the end of backward (seen among its tensors, not identified further).
-    Communication (stage 1-2, DeepSpeed's `average_tensor`/`reduce_ipg_grads`): every gradient bucket
-    is reduced (on gloo the reduce-scatter runs as an all-reduce of the bucket: the whole gradient),
-    the gradient norm is all-reduced (one fp32), and the updated partitions are all-gathered (each
-    rank hands its partition). With one process DeepSpeed still all-reduces the buckets and the norm
+    Communication (DeepSpeed's `average_tensor`/`reduce_ipg_grads`; stage 1 reduces the same buckets,
+    its contiguous-gradient hooks on): every gradient bucket is reduced (on gloo the reduce-scatter runs
+    as an all-reduce of the bucket: the whole gradient), the gradient norm is all-reduced (one fp32),
+    and the updated partitions are all-gathered (each rank hands its partition): what DDP moves, as the
+    ZeRO paper says of stages 1-2. With one process DeepSpeed still all-reduces the buckets and the norm
     (counted at stage 2: 4 Psi + 4 bytes), and gathers nothing.
     """
     stage, n = cell.option("stage", 2), cell.gpus
+    if stage == 3:
+        return zero3(cell)
     psi, count = parameters(cell.shape), tensor_count(cell.shape)
     part = zero_partition(psi, n)
     bucket = min(cell.option("reduce_bucket_size", 500_000_000), psi)
-    weights = FP32 * (part if stage == 3 else part * n)
     grads = FP32 * (psi if stage == 1 else part + straddling(cell.shape, part, n) + held_whole(cell.shape, bucket))
     grads += FP32 * bucket + FP32
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
     comm = {"all_reduce": FP32 * psi + FP32}
     if n > 1:
         comm["all_gather"] = FP32 * part
+    return Prediction(FP32 * part * n, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
+
+
+ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance (elements), which the adapter leaves as is
+
+
+def zero3(cell: Cell) -> Prediction:
+    """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, partition_parameters.py): every parameter
+    tensor flattened and partitioned, ceil(numel / N) elements a rank (`ds_tensor`; S in all).
+    Parameters: S, plus the first layer's parameters whole: DeepSpeed releases a module's gathered
+    parameters from a hook on its input's gradient (parameter_offload.py, PostBackwardFunctionModule),
+    and the first layer's input (token ids, images) has none, so they are still gathered when backward
+    ends (with one rank the count finds no second storage: the partition is the whole tensor).
+    Gradients: the flat gradient partition (S), the reduction bucket (reduce_bucket_size elements,
+    allocated whole: `ipg_buckets`), a 1-byte overflow flag (`inf_or_nan_tracker`) and 8 bytes of
+    scalars (not identified further). Optimizer: the fp32 master partition, its state, one `step`.
+    Communication: the partitions are all-gathered (S elements a rank) before the forward and, for a
+    parameter whose reuse lies farther ahead in the trace than stage3_max_reuse_distance elements (2 x
+    the parameters of the later layers: their forward and backward), again before the backward
+    (partitioned_param_coordinator.py, `__params_to_release`); the ZeRO paper's 1.5 x DDP assumes that
+    second gather for every parameter, which DeepSpeed's default distance skips below 5e8 parameters.
+    Gradients are reduce-scattered per bucket, each tensor padded to a multiple of N
+    (coalesced_collectives.py, `reduce_scatter_coalesced`; an all-reduce of the input on gloo), and
+    the squared gradient norm is all-reduced in fp64 (zero/utils.py, `get_norm_dtype`)."""
+    n = cell.gpus
+    part, count = flat_sharded(cell.shape, n), tensor_count(cell.shape)
+    layers = cell.shape.layer_tensors()
+    weights = FP32 * (part + (sum(layers[0]) if n > 1 else 0))  # one rank: the gathered tensor is the partition
+    grads = FP32 * (part + cell.option("reduce_bucket_size", 500_000_000)) + 1 + 8
+    optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
+    regathered, later = 0, sum(sum(layer) for layer in layers)
+    for layer in layers:
+        later -= sum(layer)
+        if 2 * later >= ZERO3_REUSE_DISTANCE:
+            regathered += sum(-(-numel // n) for numel in layer)
+    comm = {"all_reduce": FP32 * n * part + 8}
+    if n > 1:
+        comm["all_gather"] = FP32 * (part + regathered)
     return Prediction(weights, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
 
 
@@ -164,6 +207,49 @@ def straddling(shape: GPT2Shape | VGG16Shape, part: int, ranks: int) -> int:
                 extra += size - own
         most = max(most, extra)
     return most
+
+
+def fsdp(cell: Cell) -> Prediction:
+    """FSDP2 (`fully_shard`, docs/memory.md "FSDP2"): every parameter tensor is split along dim 0 into
+    one chunk per shard rank, padded to the first (largest) chunk (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py: `padded_sharded_param_size`); rank 0 holds the largest chunks: S elements of
+    weights, of gradients (views of the reduce-scatter's output) and of each optimizer state.
+    Per step: every unit is all-gathered before its forward and, resharded after it
+    (`reshard_after_forward`, which the adapter passes, so the root unit too), again before its
+    backward (grad-op: once), S elements of param_dtype; its gradients are reduce-scattered from the
+    dim-0-padded unsharded gradients, shard x S elements of reduce_dtype (_fsdp_collectives.py:
+    `foreach_reduce`; gloo runs it as an all-reduce of that input), then under hybrid sharding
+    all-reduced across the replicas (S elements). With one shard rank nothing is gathered or reduced.
+    Sharded parameters are DTensors, so an optimizer or clip that takes norms reduces their partial
+    sums (`sharded_norms`)."""
+    sharding, gpus = cell.option("sharding", "full"), cell.gpus
+    replicas = cell.option("replicas", 2) if sharding == "hybrid" else 1
+    if gpus % replicas:
+        raise ValueError(f"fsdp: {replicas} replicas must divide the GPUs ({gpus})")
+    ranks = gpus // replicas
+    held, count = dim0_sharded(cell.shape, ranks), tensor_count(cell.shape)
+    comm: dict[str, int] = {}
+    if ranks > 1:
+        gathered = ACTIVATION_ELEMENT[cell.precision] * held
+        comm["all_gather"] = gathered * (1 if sharding == "grad-op" else 2)
+        reduced = ACTIVATION_ELEMENT[cell.option("reduce_dtype", "fp32")] * held
+        comm["all_reduce"] = ranks * reduced + (reduced if replicas > 1 else 0) + FP32 * sharded_norms(cell, count)
+    return Prediction(FP32 * held, FP32 * held, optimizer_bytes(cell, held, count),
+                      activations(cell, cell.batch_per_gpu), comm)
+
+
+def sharded_norms(cell: Cell, count: int) -> int:
+    """fp32 elements all-reduced per step to complete the norms of `count` sharded (DTensor) tensors: a
+    norm of a dim-0 shard is a partial result (DTensor's `_NormPartial`), reduced where it is used.
+    timm's Lamb (timm/optim/lamb.py) takes the global gradient norm of the stacked per-tensor norms
+    (`_get_clip_grad_norm`, max_grad_norm 1.0 by default: count elements) and, with weight decay,
+    per-tensor trust ratios from the weights' and the updates' norms, each stack used in two operations
+    (`_lamb_trust_ratio`: w / g, w > 0, g > 0: 4 count elements); gradient clipping
+    (`clip_grad_norm_`) the stacked gradient norms once more (count)."""
+    elements = count if cell.option("grad_clip", None) else 0
+    if cell.optimizer == "lamb":
+        elements += count + (4 * count if cell.option("weight_decay", 0.0) else 0)
+    return elements
 
 
 def megatron_elements(shape: GPT2Shape, tp: int) -> int:
@@ -206,19 +292,131 @@ def megatron(cell: Cell) -> Prediction:
 def torchgpipe(cell: Cell) -> Prediction:
     """torchgpipe (one process, k partitions): per partition the layers it holds, their `.grad` and
     optimizer state (the busiest partition); every micro-batch hands its activation across each
-    boundary and its gradient back, chunks_per_gpu x k micro-batches of batch_per_gpu samples."""
+    boundary and its gradient back, chunks_per_gpu x k micro-batches of batch_per_gpu samples; a
+    partition's count holds both of its boundaries (repro.communication.BoundaryCounter)."""
     layers, k = cell.shape.layer_tensors(), cell.gpus
     if len(layers) < k:
         raise ValueError(f"torchgpipe: {len(layers)} layers cannot fill {k} partitions")
     balance = cell.option("balance", None) or even_balance(len(layers), k)
     chunks = cell.option("chunks_per_gpu", 4) * k
-    shares = [sum(map(sum, part)) + (cell.shape.tied_elements() if index == k - 1 and k > 1 else 0)
-              for index, part in enumerate(split(layers, balance))]
-    busiest = max(shares)
-    boundary = FP32 * cell.shape.boundary_elements(cell.batch_per_gpu) * chunks if isinstance(cell.shape, GPT2Shape) else 0
-    sides = 2 if k > 2 else 1  # a middle partition joins two boundaries
-    comm = {"boundary:activation": sides * boundary, "boundary:gradient": sides * boundary} if k > 1 else {}
-    return Prediction(FP32 * busiest, FP32 * busiest, optimizer_bytes(cell, busiest, 0), None, comm)
+    # torchgpipe refuses shared parameters, so the adapter unties them whatever the partition count: the
+    # last partition keeps its own copy of a tied weight, alone too (repro.adapters.torchgpipe)
+    tied = cell.shape.tied_elements()
+    parts = split(layers, balance)
+    shares = [(sum(map(sum, part)) + (tied if index == k - 1 else 0), sum(map(len, part)) + (index == k - 1 and tied > 0))
+              for index, part in enumerate(parts)]
+    busiest, tensors = max(shares)
+    crossing = [FP32 * chunks * elements for elements in cut_outputs(cell.shape, balance, cell.batch_per_gpu)]
+    joined = max(sum(stage_cuts(crossing, stage)) for stage in range(k))
+    comm = {"boundary:activation": joined, "boundary:gradient": joined} if k > 1 else {}
+    return Prediction(FP32 * busiest, FP32 * busiest, optimizer_bytes(cell, busiest, tensors), None, comm)
+
+
+def cut_outputs(shape: GPT2Shape | VGG16Shape, sizes: list[int], batch: int) -> list[int]:
+    """Elements handed across each cut between consecutive stages of `sizes` layers: the output of the
+    layer before the cut, at `batch` samples."""
+    outputs = shape.output_elements(batch)
+    return [outputs[sum(sizes[: index + 1]) - 1] for index in range(len(sizes) - 1)]
+
+
+def stage_cuts(crossing: list[int], stage: int) -> list[int]:
+    """The cuts stage `stage` joins: the one before it (received forward, sent back in backward) and the
+    one after it (sent forward, received back)."""
+    return [crossing[cut] for cut in (stage - 1, stage) if 0 <= cut < len(crossing)]
+
+
+def rank_shares(cell: Cell, sizes: list[int], ranks: int) -> list[tuple[int, int]]:
+    """(parameter elements, parameter tensors) of each rank when stage s of `sizes` runs on rank
+    s % ranks; where the first and the last stage are on different ranks, the last keeps its own copy
+    of a tied weight (GPT-2's head: repro.adapters.torch_pipeline, repro.adapters.pipeline.untie)."""
+    parts = split(cell.shape.layer_tensors(), sizes)
+    elements, tensors = [0] * ranks, [0] * ranks
+    for stage, part in enumerate(parts):
+        elements[stage % ranks] += sum(map(sum, part))
+        tensors[stage % ranks] += sum(map(len, part))
+    last = (len(parts) - 1) % ranks
+    if last != 0 and cell.shape.tied_elements():
+        elements[last] += cell.shape.tied_elements()
+        tensors[last] += 1
+    return list(zip(elements, tensors))
+
+
+def torch_pipeline(cell: Cell) -> Prediction:
+    """PyTorch's pipeline schedules (torch.distributed.pipelining; repro.adapters.torch_pipeline): stages
+    of contiguous layers balanced by parameter count (repro.partition.balance, where the recipe gives
+    none), stage s on rank s % GPUs (the interleaved schedules: 2 stages a rank). Each rank holds its
+    stages' weights, gradients and optimizer state. Per step the global batch (batch_per_gpu x GPUs)
+    crosses every cut forward and its gradient crosses back, whatever the micro-batch count: a rank
+    sends and receives, per stage, what its cuts carry (`stage_cuts`). Then the tied weight's gradient
+    is all-reduced between the first and the last rank, and one fp32 (the sum of squared gradient
+    norms, for the optimizer's global clip) over all ranks; with one rank nothing is sent."""
+    schedule = cell.option("schedule", "1f1b")
+    per_rank = cell.option("stages_per_rank", None) or (2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1)
+    count, ranks = cell.gpus * per_rank, cell.gpus
+    weights = [sum(layer) for layer in cell.shape.layer_tensors()]
+    sizes = cell.option("balance", None) or balance(weights, count, cell.shape.stage_starts())
+    elements, tensors = max(rank_shares(cell, sizes, ranks))
+    comm: dict[str, int] = {}
+    if ranks > 1:
+        crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu * cell.gpus)]
+        moved = max(sum(sum(stage_cuts(crossing, stage)) for stage in range(rank, count, ranks)) for rank in range(ranks))
+        comm = {"send": moved, "recv": moved, "all_reduce": FP32 * (cell.shape.tied_elements() + 1)}
+    micro = cell.option("microbatches", None) or 2 * cell.gpus
+    in_flight = {"1f1b": lambda stage: min(micro, count - stage), "gpipe": lambda stage: micro}.get(schedule)
+    held = None
+    if in_flight and isinstance(cell.shape, GPT2Shape):
+        held = stage_activations(cell, sizes, cell.batch_per_gpu * cell.gpus // micro, in_flight, cell.batch_per_gpu * cell.gpus)
+    return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), held, comm)
+
+
+def stage_activations(cell: Cell, sizes: list[int], batch: int, in_flight: Any, whole: int | None = None) -> int:
+    """The busiest stage's activations: what its layers save for backward at `batch` samples (the
+    GPT-2 block of docs/memory.md), times the micro-batches it holds in flight at its peak,
+    `in_flight(stage)` (1F1B: min(M, S - s), Narayanan et al. 2021; GPipe: all M; PipeDream: S - s).
+    `whole`: micro-batches cut from a batch of `whole` samples are views, and the first layer's token
+    ids and the loss's targets saved from them keep the whole batch's storage (counted once)."""
+    element = ACTIVATION_ELEMENT[cell.precision]
+    per_layer = cell.shape.layer_activations(batch, element, element if cell.device == "cpu" else 1)
+    start, most = 0, 0
+    for stage, size in enumerate(sizes):
+        held = sum(per_layer[start : start + size]) * in_flight(stage)
+        if whole is not None:
+            views = cell.shape.batch_views(batch)
+            whole_views = cell.shape.batch_views(whole)
+            if stage == 0:
+                held += whole_views[0] - views[0] * in_flight(stage)
+            if stage == len(sizes) - 1:
+                held += whole_views[1] - views[1] * in_flight(stage)
+        most, start = max(most, held), start + size
+    return most
+
+
+def pipedream(cell: Cell) -> Prediction:
+    """PipeDream (repro.adapters.pipedream): one stage per rank, from the start event's time-measured
+    balance (a prediction without a run splits by parameter count instead: the time balance is known
+    only once measured). Each stage holds its live weights, their gradients and optimizer state, and the
+    stashed weight versions its in-flight forwards ran on, S - s on stage s (Narayanan et al. 2019,
+    weight stashing; counted with the weights). The mini-batch is fixed
+    (batch_per_gpu); per step a stage receives one activation, preceded by a header of HEADER int64,
+    and sends one on, and passes one gradient back; stage clipping is local, so nothing else is sent."""
+    stages = cell.gpus
+    weights = [sum(layer) for layer in cell.shape.layer_tensors()]
+    sizes = cell.option("balance", None) or balance(weights, stages, cell.shape.stage_starts())
+    # weight stashing: stage s holds its live weights and S - s versions (one per forward in flight; the
+    # newest, for the next forward, among them: repro.adapters.pipedream.stashed_bytes)
+    states = [(FP32 * (1 + stages - stage) * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors))
+              for stage, (elements, tensors) in enumerate(rank_shares(cell, sizes, stages))]
+    weights, grads, optimizer = max(states, key=sum)
+    comm: dict[str, int] = {}
+    if stages > 1:
+        crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu)]
+        send = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s < stages - 1 else 0) for s in range(stages))
+        recv = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s > 0 else 0) for s in range(stages))
+        comm = {"send": send, "recv": recv}
+    held = None
+    if isinstance(cell.shape, GPT2Shape):
+        held = stage_activations(cell, sizes, cell.batch_per_gpu, lambda stage: stages - stage)
+    return Prediction(weights, grads, optimizer, held, comm)
 
 
 def even_balance(layers: int, parts: int) -> list[int]:
@@ -233,7 +431,8 @@ def split(items: list, balance: list[int]) -> list[list]:
     return out
 
 
-MODELS = {"ddp": ddp, "zero": zero, "megatron": megatron, "torchgpipe": torchgpipe}
+MODELS = {"ddp": ddp, "zero": zero, "fsdp": fsdp, "megatron": megatron, "torchgpipe": torchgpipe,
+          "torch-pipeline": torch_pipeline, "pipedream": pipedream}
 
 
 def predict(cell: Cell) -> Prediction:
@@ -266,7 +465,7 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None) -> Cell:
     section = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
     section["grad_clip"] = recipe.train.grad_clip
     optimizer = recipe.optimizer()
-    section["momentum"] = optimizer.momentum
+    section["momentum"], section["weight_decay"] = optimizer.momentum, optimizer.weight_decay
     if facts and facts.get("balance"):
         section["balance"] = facts["balance"]
     shape = shape_of(recipe.workload, recipe.model, recipe.data.dataset)

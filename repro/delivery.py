@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from repro import events, tracking
+from repro import deferred, events, tracking
 from repro.checkpoint import atomic_write_text
 from repro.runfiles import RUN_FILE
 
@@ -31,7 +31,7 @@ RECIPE_FILE = "recipe.yaml"  # the resolved recipe, logged when the run is creat
 STATE_FILE = "delivery.json"
 OUTCOME_FILE = "outcome.json"
 HEARTBEAT_FILE = "heartbeat.json"
-BOOKKEEPING = {STATE_FILE, OUTCOME_FILE, HEARTBEAT_FILE}
+BOOKKEEPING = {STATE_FILE, OUTCOME_FILE, HEARTBEAT_FILE, deferred.DEFERRED_FILE}
 EVENTS_PER_BATCH = 200  # the place moves after each batch, so an outage costs at most one batch's resend
 FIRST_PAUSE_S, LONGEST_PAUSE_S = 0.5, 15.0  # between failed attempts: doubling from the first to the longest
 # Between deliveries while the job runs. Each one is a batch of SQL writes in the follower, next to the
@@ -106,9 +106,8 @@ class Delivery:
 
     def run(self) -> tracking.Run:
         """The MLflow run, connected on first use (a server that is down fails the attempt, not the caller's setup)."""
-        if self._run is None:
-            spec = json.loads((self.run_dir / RUN_FILE).read_text())
-            self._run = tracking.Run.connect(spec["tracking_uri"], spec["mlflow_run_id"])
+        if self._run is None:  # created (or reopened) here if the parent could not (repro.deferred)
+            self._run = deferred.replay(self.run_dir)
         return self._run
 
     def restart(self) -> None:
@@ -165,8 +164,10 @@ class Delivery:
         points = sum(len(tracking.event_metrics(e)) for e in left)
         files = [p.name for p in deliverable_files(self.run_dir) if self.state.files.get(p.name) != file_mark(p)]
         end = "" if self.state.ended else ", the run's end"
+        calls = deferred.pending(self.run_dir)
+        kept = f"{len(calls)} MLflow calls kept while the server was away (the run's creation first), " if calls else ""
         self.state.undelivered = (
-            f"{len(left)} events ({points} metric points), {len(files)} files{end}; last error: "
+            f"{kept}{len(left)} events ({points} metric points), {len(files)} files{end}; last error: "
             f"{type(error).__name__}: {str(error)[:300]}; deliver with: repro sync {self.run_dir}"
         )
         self.state.save(self.run_dir)

@@ -14,6 +14,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 LOOP_MODULE = "repro.loop"
 RDZV_BASE_PORT = 20000
@@ -41,6 +42,13 @@ def torchrun_local(processes: int, run_dir: Path, python: str = sys.executable) 
         python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes),
         *torchrun_tail(run_dir),
     ]
+
+
+def single_rank(run_dir: Path, python: str = sys.executable) -> list[str]:
+    """The one process of a one-process CPU run, started without a launcher, with the environment
+    torchrun would give it; port 0: the rank hosts the store itself and binds a free port (no peer needs it)."""
+    environment = ["RANK=0", "LOCAL_RANK=0", "WORLD_SIZE=1", "LOCAL_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=0"]
+    return ["env", *environment, python, "-m", LOOP_MODULE, str(run_dir)]
 
 
 def lbann_srun(nodes: int, gpus: int, lbann: str, prototext: Path) -> list[str]:
@@ -171,3 +179,18 @@ def sbatch_script(job: SlurmJob) -> str:
 def quote_unless_expanded(word: str) -> str:
     """Shell-quote a word, except those written as a double-quoted shell expansion ("$head_node:...")."""
     return word if word.startswith('"$') else shlex.quote(word)
+
+
+WARM_MODULE = "repro.warm"
+
+
+def warm_launcher(channel_fd: int, preload: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The warm launcher of CPU stand-in ranks (repro.warm): its fork server imports `preload` once, then
+    forks the ranks of every job its parent sends over the channel (descriptor `channel_fd`)."""
+    return [python, "-m", WARM_MODULE, "--channel", str(channel_fd), "--preload", ",".join(preload)]
+
+
+def warm_job(launcher: list[str], entry: str, processes: int, run_dir: Path) -> list[str]:
+    """A job of a warm launcher as the run records it (command.json) and --dry-run shows it: the launcher's
+    command line, then what it is sent: `processes` ranks of `entry` on `run_dir`."""
+    return [*launcher, "::", f"{processes} x {entry}", str(run_dir)]

@@ -6,7 +6,8 @@ hands it to the framework's adapter and trains: epochs of steps, validation afte
 appends structured events to RUN_DIR/events.jsonl; the parent process turns them into MLflow.
 
 Inside the timed steps the loop reads the device once every SYNC_EVERY steps (docs/measurement.md):
-losses stay on the device until then, when one collective reduces the whole window. Ranks agree on a
+losses stay on the device until then; one collective, started after the window's last step and read
+after the next step, reduces the whole window, so the loop does not wait there for a peer. Ranks agree on a
 stop with a vote on the host (a CPU tensor over a gloo group) every few steps (`Trainer.vote_every`),
 started after one step and read after the next, so it never waits for the device. Every read goes
 through `Trainer.host_read`, which counts it, so a test can hold the number per step fixed.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from repro import checkpoint, events, registry, seeding
-from repro.adapters.base import Adapter, RunContext
+from repro.adapters.base import Adapter, Reduction, RunContext
 from repro.metrics import (
     WARMUP_STEPS, StepClock, Stopwatch, Timer, device_name, device_used_bytes, peak_memory_bytes, step_time_summary,
 )
@@ -40,10 +42,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption and SLURM's warnin
 # Steps between the loop's reads of the device (rounded up to a multiple of train.log_every): the
 # window's losses are reduced in one collective and its step events written.
 SYNC_EVERY = 16
-# Stop votes per epoch, at least (one every SYNC_EVERY steps in a long epoch): a vote every step cost
-# about 1 ms of a 19 ms smoke GPT-2 step on 2 processes (measured), while a short epoch (a resume test's
-# 8 steps) still gets a stop in its middle.
-STOP_VOTES_PER_EPOCH = 8
+# Stop votes per epoch, at least (one every SYNC_EVERY steps in a long epoch, with the loss window): a
+# vote every step cost about 1 ms of a 19 ms smoke GPT-2 step on 2 processes, one every 8 steps still
+# about 39 us of CPU a step (measured; each launch wakes gloo's worker thread), while a short epoch (a
+# resume test's 8 steps) still gets a stop in its middle.
+STOP_VOTES_PER_EPOCH = 4
+FETCHED_TOGETHER = SYNC_EVERY  # batches fetched in a row from a dataset that collates them (InProcessBatches)
 
 
 class GlobalBatches(torch.utils.data.Sampler):
@@ -102,7 +106,13 @@ class EvenShard(torch.utils.data.Sampler):
 class InProcessBatches:
     """What a DataLoader without workers yields (the same fetch, through `__getitems__` where the dataset
     has it, and the same `default_collate`), without its machinery around each batch (a profiler range
-    and checks): the smoke GPT-2's batch took 71 instead of 126 us of CPU (medians; docs/measurement.md)."""
+    and checks): the smoke GPT-2's batch took 71 instead of 126 us of CPU (medians; docs/measurement.md).
+
+    A dataset that collates a batch itself (`collated(indices)`: bit for bit what `default_collate` makes
+    of its samples, drawing no random numbers) is asked for FETCHED_TOGETHER batches in a row: right
+    after a training step every tensor operation costs several times what it costs in a tight loop
+    (the step has evicted the caches), so the smoke GPT-2's batch took 44 us of CPU a step, against
+    244 one by one after each step (means; docs/measurement.md)."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler):
         self.dataset, self.sampler = dataset, sampler
@@ -111,9 +121,19 @@ class InProcessBatches:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator:
+        if hasattr(self.dataset, "collated"):
+            return self.together()
+        return self.one_by_one()
+
+    def one_by_one(self) -> Iterator:
         fetch = getattr(self.dataset, "__getitems__", None) or (lambda indices: [self.dataset[i] for i in indices])
         for indices in self.sampler:
             yield torch.utils.data.default_collate(fetch(indices))
+
+    def together(self) -> Iterator:
+        sampled = iter(self.sampler)
+        while chunk := list(itertools.islice(sampled, FETCHED_TOGETHER)):
+            yield from [self.dataset.collated(indices) for indices in chunk]
 
 
 def batches(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler, workers: int) -> InProcessBatches | torch.utils.data.DataLoader:
@@ -168,6 +188,7 @@ class Trainer:
         log_every = recipe.train.log_every
         self.window = log_every * -(-SYNC_EVERY // log_every)
         self.pending: list[tuple[int, int, torch.Tensor | None]] = []  # (step, epoch, this rank's loss)
+        self.reducing: tuple[list[tuple[int, int]], Reduction | None] | None = None  # the window in flight
         self.phase = "setup"  # "steps" while the epoch timer runs, "epoch" between epochs
         self.host_syncs: collections.Counter[str] = collections.Counter()  # "phase/site" -> count
         self.steps_here = 0  # steps this process has run (warm-up is counted from its start)
@@ -213,15 +234,28 @@ class Trainer:
             open_now.append(self.adapter.communication.counting())
         return open_now
 
-    def counted_step(self, inputs: object, targets: object, spent: Stopwatch) -> torch.Tensor | None:
-        """The adapter's step, inside the counters open over it. What the counters cost inside the step
-        goes to `spent`: entering and leaving their contexts, and the time their callbacks timed
-        themselves (`spent_ns`, e.g. the activation counter's saved-tensor hooks)."""
+    def counted_step(
+        self, inputs: object, targets: object, harness: Stopwatch, spent: Stopwatch,
+    ) -> torch.Tensor | None:
+        """The adapter's step, inside the counters open over it. The loop's own time (`harness`, running
+        when called) stops for the step and the counters' time (`spent`)."""
         counters = self.counters()
-        if not counters:
-            return self.adapter.train_step(inputs, targets)
-        hooks_before = self.counters_spent_ns()
+        harness.stop()
+        if counters:
+            loss = self.step_counted_by(counters, inputs, targets, spent)
+        else:
+            loss = self.adapter.train_step(inputs, targets)
+        harness.start()
+        return loss
+
+    def step_counted_by(
+        self, counters: list, inputs: object, targets: object, spent: Stopwatch,
+    ) -> torch.Tensor | None:
+        """The adapter's step inside `counters`; what they cost goes to `spent`: entering and leaving their
+        contexts, and the time their callbacks timed themselves (`spent_ns`, e.g. the activation counter's
+        saved-tensor hooks)."""
         spent.start()
+        hooks_before = self.counters_spent_ns()
         with contextlib.ExitStack() as stack:
             for counter in counters:
                 stack.enter_context(counter)
@@ -238,16 +272,30 @@ class Trainer:
         counters = (self.adapter.activations, self.adapter.communication)
         return sum(getattr(counter, "spent_ns", 0) for counter in counters)
 
-    def log_losses(self) -> None:
-        """Reduce the pending steps' losses in one collective and write their step events."""
-        if not self.pending:
+    def start_losses(self) -> None:
+        """Start reducing the pending steps' losses, in one collective on every rank (read a step later)."""
+        if self.pending:
+            logged, losses = [(step, epoch) for step, epoch, _ in self.pending], [loss for *_, loss in self.pending]
+            self.pending = []
+            self.reducing = (logged, self.adapter.reduce_losses(losses))
+
+    def finish_losses(self) -> None:
+        """Read the losses whose reduction started a step ago (all ranks have joined it by now) and write
+        their step events."""
+        if self.reducing is None:
             return
-        steps, epochs, losses = zip(*self.pending)
-        self.pending = []
-        reduced = self.adapter.reduce_losses(list(losses))
-        values = self.host_read("loss", reduced) if reduced is not None else [None] * len(steps)
-        for step, epoch, loss in zip(steps, epochs, values):
-            self.emit(events.STEP, step=step, epoch=epoch, loss=loss)
+        logged, reduction = self.reducing
+        self.reducing = None
+        values = self.host_read("loss", reduction.result()) if reduction is not None else [None] * len(logged)
+        if self.writer:
+            self.writer.emit_all(events.STEP, ({"step": step, "epoch": epoch, "loss": loss}
+                                               for (step, epoch), loss in zip(logged, values)))
+
+    def log_losses(self) -> None:
+        """Reduce every loss not yet read and write their step events (at the epoch end, or a stop)."""
+        self.finish_losses()
+        self.start_losses()
+        self.finish_losses()
 
     def validate(self) -> dict[str, float]:
         sampler = EvenShard(len(self.val_set), self.adapter.data_shard(), self.recipe.train.batch_per_gpu)
@@ -305,19 +353,18 @@ class Trainer:
             first_step, harness, counters = at.epoch_step, Stopwatch(), Stopwatch()
             with Timer(self.device) as timer:
                 clock = StepClock(self.device)
-                harness.start()  # the loop's own time: all but the adapter's steps (and the counters in them)
+                harness.start()  # the loop's own time: all but the adapter's steps and the counters (counted_step)
                 for inputs, targets in self.train_loader(epoch, at.epoch_step):
-                    harness.stop()
-                    loss = self.counted_step(inputs, targets, counters)
-                    harness.start()
+                    loss = self.counted_step(inputs, targets, harness, counters)
                     at.step, at.epoch_step, self.steps_here = at.step + 1, at.epoch_step + 1, self.steps_here + 1
                     if at.step % recipe.train.log_every == 0:
                         self.pending.append((at.step, epoch, loss))
                     clock.mark()
                     if self.done(at):
                         break
+                    self.finish_losses()
                     if at.step % self.window == 0:
-                        self.log_losses()
+                        self.start_losses()
                     if self.stop_agreed(at.step):
                         at.epoch_s += timer.seconds_so_far()
                         return self.interrupt(at, epoch)
@@ -434,7 +481,9 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def main(run_dir: str) -> None:
+def train(run_dir: str) -> int:
+    """Train this rank of the run in `run_dir`; the exit code: 0, or 128 + the stop signal. The process
+    lives on (a rank forked by repro.warm ends through multiprocessing); `main` ends it at once."""
     run_dir_path = Path(run_dir)
     spec = json.loads((run_dir_path / RUN_FILE).read_text())
     recipe = resolve(spec["recipe"], spec["recipe"]["source"])
@@ -445,7 +494,11 @@ def main(run_dir: str) -> None:
         clean = True
     finally:
         trainer.close(clean)
-    leave(code)
+    return code
+
+
+def main(run_dir: str) -> None:
+    leave(train(run_dir))
 
 
 def leave(code: int) -> None:

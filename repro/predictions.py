@@ -26,7 +26,8 @@ def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", 
     section = dict(raw.get(framework.replace("-", "_")) or {})
     train = raw["train"]
     optimizer = section.get("optimizer") or train["optimizer"]
-    options = {**section, "grad_clip": train.get("grad_clip"), "momentum": optimizer.get("momentum", 0.9)}
+    options = {**section, "grad_clip": train.get("grad_clip"), "momentum": optimizer.get("momentum", 0.9),
+               "weight_decay": optimizer.get("weight_decay", 0.0)}
     return costmodel.Cell(shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"]), framework, gpus,
                           train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"), options)
 

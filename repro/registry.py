@@ -23,6 +23,8 @@ class FrameworkEntry:
     needs_programs: tuple[str, ...] = ()
     install_hint: str = ""
     image_hint: str = ""  # inside the kit's image ($REPRO_IMAGE set), when the image was built without it
+    # what its adapter imports inside its methods: a warm launcher imports it once for all ranks (repro.warm)
+    rank_modules: tuple[str, ...] = ()
 
     def missing(self) -> list[str]:
         """What this framework needs that is not installed here (empty when available), each name once."""
@@ -38,7 +40,7 @@ class FrameworkEntry:
 FRAMEWORKS: dict[str, FrameworkEntry] = {
     entry.name: entry
     for entry in (
-        FrameworkEntry("ddp", "repro.adapters.ddp:DDPAdapter", "data"),
+        FrameworkEntry("ddp", "repro.adapters.ddp:DDPAdapter", "data", rank_modules=("torch.nn.parallel",)),
         FrameworkEntry(
             "zero", "repro.adapters.zero:ZeroAdapter", "data (sharded)", ("deepspeed",),
             install_hint="pip install -r requirements.txt (deepspeed)",
@@ -46,10 +48,12 @@ FRAMEWORKS: dict[str, FrameworkEntry] = {
         FrameworkEntry(
             "megatron", "repro.adapters.megatron:MegatronAdapter", "intra-layer (tensor) + data",
             ("megatron.core",), install_hint="pip install -r requirements.txt (megatron-core)",
+            rank_modules=("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed"),
         ),
         FrameworkEntry(
             "torchgpipe", "repro.adapters.torchgpipe:GPipeAdapter", "inter-layer (pipeline, flush)",
             ("torchgpipe",), install_hint="pip install -r requirements.txt (torchgpipe)",
+            rank_modules=("torchgpipe.balance",),
         ),
         FrameworkEntry("pipedream", "repro.adapters.pipedream:PipeDreamAdapter", "inter-layer (pipeline, async)"),
         FrameworkEntry(
@@ -57,9 +61,11 @@ FRAMEWORKS: dict[str, FrameworkEntry] = {
             install_hint=f"{IMAGE_HINT}, or build it with Spack: spack install lbann@0.104 +cuda +vision +pfe",
             image_hint="this image was built without it: make image WITH_LBANN=1 (docs/containers.md)",
         ),
-        FrameworkEntry("fsdp", "repro.adapters.fsdp:FSDPAdapter", "data (fully sharded, FSDP2)"),
+        FrameworkEntry("fsdp", "repro.adapters.fsdp:FSDPAdapter", "data (fully sharded, FSDP2)",
+                       rank_modules=("torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict")),
         FrameworkEntry(
             "torch-pipeline", "repro.adapters.torch_pipeline:TorchPipelineAdapter", "inter-layer (pipeline schedules)",
+            rank_modules=("torch.distributed.pipelining",),
         ),
         FrameworkEntry(
             "axonn", "repro.adapters.axonn:AxoNNAdapter", "inter-layer + data (async)", ("axonn",),

@@ -1,5 +1,8 @@
 """Settling: end the MLflow runs whose job is gone, with the status their run folder's events give.
 
+Runs that started while the tracking server was away are known by their folders only (RUN_DIR/
+deferred.json, repro.deferred) until delivery creates them: settle finds them under runs/ too.
+
 A RUNNING or SCHEDULED run is left as it is while anything says its job may live: a heartbeat in
 its run folder younger than the stale limit, its follower's process on this machine, a Slurm job
 that Slurm still has queued or running (or a Slurm that cannot be asked). Otherwise the events decide:
@@ -15,9 +18,9 @@ from pathlib import Path
 
 import psutil
 
-from repro import events, slurm, tracking
+from repro import deferred, events, slurm, tracking
 from repro.delivery import HEARTBEAT_FILE, Delivery, Outcome
-from repro.runfiles import RUN_FILE
+from repro.runfiles import RUN_FILE, RUNS_DIR
 
 STALE_S = 120.0  # the follower beats every few seconds; this much silence means it is gone
 REASON_TAG = "repro.settled"
@@ -97,11 +100,19 @@ def settle_folder(run_dir: Path, stale_s: float = STALE_S) -> str:
     return f"{run_dir}: ended {outcome.status} ({outcome.tags.get(REASON_TAG, outcome.error or 'as its follower saw it')})"
 
 
+def not_created(runs_dir: Path = RUNS_DIR) -> list[Path]:
+    """The run folders under `runs_dir` whose MLflow run was never created (the server was away at their
+    start and has not been reached since): MLflow does not know them, their folders do."""
+    return sorted(path.parent for path in runs_dir.glob(f"*/{deferred.DEFERRED_FILE}")
+                  if any(call[0] == "create" for call in deferred.pending(path.parent)))
+
+
 def settle(uri: str, run_dirs: list[Path], stale_s: float = STALE_S) -> list[str]:
-    """Settle the runs of `run_dirs`, or without any, every RUNNING or SCHEDULED run of the store `uri`."""
+    """Settle the runs of `run_dirs`, or without any, every RUNNING or SCHEDULED run of the store `uri`
+    and every run folder here whose run MLflow has not been told of yet."""
     if run_dirs:
         return [settle_folder(run_dir, stale_s) for run_dir in run_dirs]
-    lines = []
+    lines = [settle_folder(run_dir.resolve(), stale_s) for run_dir in not_created()]
     for run_id, status, tags in tracking.unfinished_runs(uri):
         folder = tags.get(f"{tracking.TAG_PREFIX}run_dir")
         if folder and (Path(folder) / RUN_FILE).exists():

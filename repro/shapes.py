@@ -16,6 +16,11 @@ GPT2_VOCAB = {"bytes": 256, "gpt2": 50257}  # repro.workloads.gpt2.TOKENIZER_VOC
 VGG16_D = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 VGG16_CLASSES = {"imagenet": 1000, "digits": 10, "synthetic": 1000}  # repro.workloads.vgg16.NUM_CLASSES
 INT64 = 8
+Rows = tuple[int, int]  # a parameter tensor as (dim-0 size, elements per dim-0 row)
+
+
+def numels(layer: list[Rows]) -> list[int]:
+    return [rows * row for rows, row in layer]
 
 
 @dataclass(frozen=True)
@@ -34,12 +39,18 @@ class GPT2Shape:
         return cls(get("n_layer", 24), get("d_model", 1024), get("n_head", 16), get("seq_len", 1024),
                    GPT2_VOCAB[get("tokenizer", "gpt2")], get("dropout", 0.1))
 
+    def shaped_runs(self) -> list[tuple[list[Rows], int]]:
+        """(a layer's parameter tensors as (dim-0 size, elements per dim-0 row), how many such layers
+        follow): the embedding, the blocks (nn.Linear's weight is (out, in)), the head (its weight is
+        the embedding's and belongs to the embedding)."""
+        d, vector = self.d_model, lambda n: (n, 1)
+        block = [vector(d), vector(d), (3 * d, d), vector(3 * d), (d, d), vector(d), vector(d), vector(d),
+                 (4 * d, d), vector(4 * d), (d, 4 * d), vector(d)]
+        return [([(self.vocab, d), (self.seq_len, d)], 1), (block, self.n_layer), ([vector(d), vector(d)], 1)]
+
     def runs(self) -> list[tuple[list[int], int]]:
-        """(a layer's parameter tensors' element counts, how many such layers follow): the embedding, the
-        blocks, the head (its weight is the embedding's and belongs to the embedding)."""
-        d = self.d_model
-        block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
-        return [([self.vocab * d, self.seq_len * d], 1), (block, self.n_layer), ([d, d], 1)]
+        """(a layer's parameter tensors' element counts, how many such layers follow)."""
+        return [(numels(layer), repeat) for layer, repeat in self.shaped_runs()]
 
     def layer_tensors(self) -> list[list[int]]:
         """Element counts of each layer's own parameters, layer by layer."""
@@ -69,9 +80,19 @@ class GPT2Shape:
         embedding = INT64 * (n + self.seq_len) + masked
         return [embedding, *([block] * (self.n_layer if layers is None else layers)), head]
 
-    def boundary_elements(self, batch: int) -> int:
-        """Elements of the tensor handed from one layer to the next (a pipeline's activation)."""
-        return batch * self.seq_len * self.d_model
+    def stage_starts(self) -> list[bool]:
+        return [True] * (self.n_layer + 2)
+
+    def batch_views(self, batch: int) -> tuple[int, int]:
+        """Bytes of what the first layer saves of the input batch (token ids) and the last of the targets:
+        a micro-batch cut from a batch is a view, and saving it keeps the whole batch's storage."""
+        return INT64 * batch * self.seq_len, INT64 * batch * self.seq_len
+
+    def output_elements(self, batch: int) -> list[int]:
+        """Elements of each layer's output at `batch` sequences: a pipeline's activation across a cut
+        after it (tokens x width; the head's logits, tokens x vocabulary)."""
+        tokens = batch * self.seq_len
+        return [tokens * self.d_model] * (self.n_layer + 1) + [tokens * self.vocab]
 
 
 @dataclass(frozen=True)
@@ -92,24 +113,47 @@ class VGG16Shape:
     def widths(self) -> list[int | str]:
         return [c if c == "M" else c // self.width_div for c in VGG16_D]
 
+    def shaped_runs(self) -> list[tuple[list[Rows], int]]:
+        return [(layer, 1) for layer in self.shaped_layers()]
+
     def runs(self) -> list[tuple[list[int], int]]:
-        return [(layer, 1) for layer in self.layer_tensors()]
+        return [(numels(layer), 1) for layer in self.shaped_layers()]
 
     def layer_tensors(self) -> list[list[int]]:
-        """Each layer of repro.workloads.vgg16.build_vgg16 in order: convolutions (3x3, with bias), ReLU,
-        max-pool, adaptive average pool, flatten, then linear, ReLU, dropout, linear, ReLU, dropout, linear."""
-        layers: list[list[int]] = []
-        channels = 3
+        return [numels(layer) for layer in self.shaped_layers()]
+
+    def shaped_layers(self) -> list[list[Rows]]:
+        return [tensors for _, tensors, _ in self.layers()]
+
+    def layers(self) -> list[tuple[str, list[Rows], int]]:
+        """Each layer of repro.workloads.vgg16.build_vgg16 in order: (kind, its tensors as (dim-0 size,
+        elements per dim-0 row), elements of its output per image): convolutions (3x3, with bias), ReLU
+        (in place), max-pool, adaptive average pool, flatten, then linear, ReLU, dropout, linear, ReLU,
+        dropout, linear."""
+        layers: list[tuple[str, list[Rows], int]] = []
+        channels, side = 3, self.image_size
         for width in self.widths():
             if width == "M":
-                layers.append([])
+                side //= 2
+                layers.append(("pool", [], channels * side * side))
             else:
-                layers += [[channels * width * 9, width], []]
+                out = width * side * side
+                layers += [("conv", [(width, channels * 9), (width, 1)], out), ("relu", [], out)]
                 channels = width
         last, hidden = channels * self.pool_size**2, self.classifier_width
-        layers += [[], []]  # adaptive average pool, flatten
-        layers += [[last * hidden, hidden], [], [], [hidden * hidden, hidden], [], [], [hidden * self.classes, self.classes]]
+        layers += [("pool", [], last), ("flatten", [], last)]
+        for width, inputs in ((hidden, last), (hidden, hidden)):
+            layers += [("linear", [(width, inputs), (width, 1)], width), ("relu", [], width), ("dropout", [], width)]
+        layers.append(("linear", [(self.classes, hidden), (self.classes, 1)], self.classes))
         return layers
+
+    def stage_starts(self) -> list[bool]:
+        """Where a pipeline stage may begin: not at an in-place ReLU (its input must stay a leaf)."""
+        return [index == 0 or kind != "relu" for index, (kind, _, _) in enumerate(self.layers())]
+
+    def output_elements(self, batch: int) -> list[int]:
+        """Elements of each layer's output at `batch` images (what a pipeline hands across a cut after it)."""
+        return [batch * out for _, _, out in self.layers()]
 
     def tied_elements(self) -> int:
         return 0
@@ -177,3 +221,15 @@ def tensor_at(shape: GPT2Shape | VGG16Shape, offset: int) -> tuple[int, int]:
                 start += numel
         start += size * repeat
     return offset, 0
+
+
+def flat_sharded(shape: GPT2Shape | VGG16Shape, ranks: int) -> int:
+    """Elements of one rank's partition of every parameter tensor flattened and padded to a multiple of
+    `ranks` (ceil(numel / ranks) each: DeepSpeed ZeRO-3's `ds_tensor`), summed over the model."""
+    return sum(-(-numel // ranks) * repeat for layer, repeat in shape.runs() for numel in layer)
+
+
+def dim0_sharded(shape: GPT2Shape | VGG16Shape, ranks: int) -> int:
+    """Elements of the largest shard of every parameter tensor split along dim 0 into `ranks` chunks
+    (torch.chunk: ceil(dim 0 / ranks) rows to the first rank), summed over the model."""
+    return sum(-(-rows // ranks) * row * repeat for layer, repeat in shape.shaped_runs() for rows, row in layer)

@@ -11,6 +11,7 @@ each repeat has its own fingerprint (resumable as any cell) and its seed is reco
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -131,11 +132,13 @@ def cannot_run(cell: Cell, experiment: str) -> str | None:
     check of `repro run`, on the machine (devices, or a launcher that provides them) and the data."""
     from repro import runner
     from repro.data import DataError
+    from repro.run import preflight
+    from repro.run.options import Launch, LaunchError
 
     reasons = []
     try:
-        runner.check_machine(cell.recipe, runner.Launch())
-    except runner.LaunchError as error:
+        runner.check_machine(cell.recipe, Launch())
+    except LaunchError as error:
         recipe = cell.recipe
         command = " ".join([f"repro run {cell.workload} --framework {cell.framework} --gpus {cell.gpus}",
                             f"--nodes {recipe.run.nodes} --scale {recipe.scale}",
@@ -145,7 +148,7 @@ def cannot_run(cell: Cell, experiment: str) -> str | None:
     except registry.Unavailable as error:
         reasons.append(str(error))
     try:
-        runner.check_data(cell.recipe)
+        preflight.check_data(cell.recipe)
     except (DataError, RecipeError) as error:
         reasons.append(str(error))
     return "; and ".join(reasons) or None
@@ -180,16 +183,32 @@ def run_matrix(
     from repro import runner
     from repro.data import DataError
 
+    from repro.run.options import Launch
+
     todo, counts = plan(cells, uri, experiment, retry_failed, out)
     started = time.monotonic()
-    for index, cell in enumerate(todo, 1):
-        begun = time.monotonic()
-        try:
-            code = runner.execute(cell.recipe, uri, experiment, echo=lambda line: None, progress=False).returncode
-        except (DataError, registry.Unavailable) as error:
-            code, cell.skip = 1, str(error)
-        counts["ran" if code == 0 else "failed"] += 1
-        left = (time.monotonic() - started) / index * (len(todo) - index)
-        state = "done" if code == 0 else f"FAILED (exit {code})"
-        out(f"[{index}/{len(todo)}] {cell.label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   ~{left:4.0f}s left")
+    with kept_warm(todo) as warm:
+        for index, cell in enumerate(todo, 1):
+            begun = time.monotonic()
+            try:
+                code = runner.execute(cell.recipe, uri, experiment, Launch(warm=warm), echo=lambda line: None,
+                                      progress=False).returncode
+            except (DataError, registry.Unavailable) as error:
+                code, cell.skip = 1, str(error)
+            counts["ran" if code == 0 else "failed"] += 1
+            left = (time.monotonic() - started) / index * (len(todo) - index)
+            state = "done" if code == 0 else f"FAILED (exit {code})"
+            out(f"[{index}/{len(todo)}] {cell.label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   ~{left:4.0f}s left")
     return counts
+
+
+def kept_warm(cells: list[Cell]) -> contextlib.AbstractContextManager:
+    """One warm launcher for the whole matrix (docs/launch.md), started before the first cell: its fork server
+    imports, once, what the ranks of every cell of CPU stand-ins need; none when no cell has such ranks."""
+    from repro.run.executors.warm import stand_in_ranks
+    from repro.run.options import Launch
+    from repro.warm import plan as warm_plan
+    from repro.warm.client import Launcher
+
+    warm = [cell.recipe for cell in cells if stand_in_ranks(cell.recipe, Launch())]
+    return Launcher(warm_plan.preload(warm)) if warm else contextlib.nullcontext()

@@ -33,6 +33,22 @@ def tracking_uri(explicit: str | None = None) -> str:
     return explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
 
 
+def server_unanswered(error: BaseException) -> bool:
+    """Whether `error` says the tracking server did not answer (refused, unreachable, timed out, or failing
+    every retry), rather than refusing what was asked: the run goes on and is recorded later (repro.deferred).
+
+    MLflow's HTTP client wraps requests' errors in an MlflowException, implicitly chained (`__context__`)
+    when it does not name the cause (mlflow/utils/rest_utils.py, `http_request`)."""
+    import requests
+
+    while error is not None:
+        if isinstance(error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                              requests.exceptions.RetryError)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def transient(error: Exception) -> bool:
     """Errors a concurrent writer causes on a shared sqlite store; trying again succeeds."""
     text = str(error)

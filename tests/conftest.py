@@ -118,6 +118,17 @@ def units_guard(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         pytest.fail(f"a units test started a process group or ranks; give it another tier:\n{refused}", pytrace=False)
 
 
+def rank_of(process, run_dir: Path) -> str | None:
+    """The rank of the training loop that a process of a run is (None: not one): a torchrun worker's
+    command line and environment say it; a warm rank, forked with its fork server's command line and
+    /proc environment, is named in RUN_DIR/ranks/pids.json."""
+    if "repro.loop" in process.cmdline():
+        return process.environ().get("RANK")
+    pids = run_dir / "ranks" / "pids.json"
+    found = json.loads(pids.read_text()) if pids.exists() else {}
+    return next((rank for rank, pid in found.items() if pid == process.pid), None)
+
+
 @pytest.fixture
 def repro(tmp_path: Path) -> Repro:
     return Repro(tmp_path)

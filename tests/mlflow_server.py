@@ -58,12 +58,13 @@ class PostgresCluster:
 class MlflowServer:
     """`mlflow server` on a PostgreSQL store; `stop` then `start` again on the same port is an outage."""
 
-    def __init__(self, store_uri: str, folder: Path):
+    def __init__(self, store_uri: str, folder: Path, start: bool = True):
         self.store_uri, self.folder = store_uri, folder
         self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
-        self.start()
+        if start:  # else its address is known before it answers: a server that is down
+            self.start()
 
     def start(self) -> None:
         log = open(self.folder / "mlflow-server.log", "a")

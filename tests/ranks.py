@@ -23,7 +23,7 @@ from host import free_port
 from repro import loop, registry
 from repro.recipe import Recipe
 from repro.runfiles import RUN_FILE
-from repro.runner import verify_data
+from repro.run.preflight import verify_data
 
 
 def rank_main(rank: int, world: int, port: int, main: Callable[..., None], args: tuple) -> None:

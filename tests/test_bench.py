@@ -72,6 +72,19 @@ def test_the_loops_own_time_is_judged_as_a_share_of_the_kits_step() -> None:
     assert harness_share([{"kit": 0.035, "harness_us": 700.0}, {"kit": 0.035, "harness_us": 710.0}])["met"] is False
 
 
+@pytest.mark.units
+def test_the_paired_estimate_stands_in_microseconds_beside_the_loops_own_time() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    from run import paired_summary
+
+    pairs = [{"kit": 0.0352, "minimal": 0.0350, "harness_us": 150.0},
+             {"kit": 0.0354, "minimal": 0.0350, "harness_us": 160.0}]
+    found = paired_summary({"pairs": pairs, "steps_per_block": 64, "warm_up": {}})
+    assert found["overhead_us"] == pytest.approx(300.0) and found["harness"]["us"] == 155.0
+    low, high = found["interval95_us"]  # 300 us +- 12.71 * 141.4 us / sqrt(2): the ratios' interval times 35 ms
+    assert (low, high) == pytest.approx((300 - 1271, 300 + 1271), abs=1)
+
+
 @pytest.mark.end_to_end
 def test_the_paired_overhead_job_alternates_kit_and_baseline_blocks(tmp_path: Path) -> None:
     out = tmp_path / "paired.json"

@@ -49,7 +49,10 @@ def test_unknown_model_is_refused(repro) -> None:
 def test_dry_run_prints_the_launch_command(repro) -> None:
     out = repro("run", "gpt2", "--gpus", "2", "--dry-run")
     assert out.returncode == 0, out.stderr
-    assert "-m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2" in out.stdout
+    # CPU stand-ins on this machine: the warm launcher and the job it is sent (docs/launch.md); on GPUs it is
+    # torchrun's line (tests/test_adapter_command.py)
+    assert "-m repro.warm --channel 3 --preload repro.adapters.ddp,repro.workloads.gpt2" in out.stdout
+    assert out.stdout.strip().endswith(":: 2 x repro.warm.ranks:loop_rank RUN_DIR")
     assert not (repro.cwd / "runs").exists()
 
 

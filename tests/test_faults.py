@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import mlflow_runs, read_events, wait_for_event
+from conftest import mlflow_runs, rank_of, read_events, wait_for_event
 
 # 64 steps an epoch: the second epoch is long enough to be interrupted in its middle
 RUN = ("run", "gpt2", "--gpus", "2", "--epochs", "2", "--set", "data.max_val_samples=32", "--run-dir", "runs/job")
@@ -38,7 +38,7 @@ def assert_nothing_left(processes: list[psutil.Process]) -> None:
 def test_a_rank_killed_mid_epoch_fails_the_run_within_60_s(repro):
     job = repro.start(*RUN)
     processes = interrupt_mid_second_epoch(repro, job)
-    (victim,) = [p for p in processes if p.environ().get("RANK") == "1" and "repro.loop" in p.cmdline()]
+    (victim,) = [p for p in processes if rank_of(p, repro.cwd / "runs" / "job") == "1"]
     victim.kill()
     assert job.wait(timeout=60) != 0  # the whole job ends within 60 s of the death of one rank
     assert_nothing_left(processes)
@@ -81,7 +81,7 @@ def test_the_follower_wakes_when_the_launcher_exits_and_kills_what_it_left(tmp_p
     """The follower waits on the launcher's exit, not on a poll interval: a 30 s wait ends when the
     launcher does. torchrun starts its workers in sessions of their own: one that outlives the launcher
     is found by the follower's scans of the job's processes (every SCAN_EVERY_S) and killed."""
-    from repro.runner import POLL_S, SCAN_EVERY_S, Job
+    from repro.run.supervision import POLL_S, SCAN_EVERY_S, Job
 
     quick = Job(["sleep", "1"], tmp_path / "quick.log", echo=lambda line: None)
     started = time.monotonic()

@@ -155,7 +155,8 @@ def test_findings_follow_the_recorded_numbers(report: Path) -> None:
 def test_findings_say_what_this_machine_cannot_show(report: Path) -> None:
     """One core: 2 processes measure contention; runs without activation counts cannot show activation memory."""
     from repro.report.collect import collect
-    from repro.report.findings import NOT_TESTABLE, judge
+    from repro.report.evidence import NOT_TESTABLE
+    from repro.report.findings import judge
 
     results = collect(cells(), f"sqlite:///{report.parent}/mlflow.db", "table2-test")
     for r in results:
@@ -241,7 +242,7 @@ def test_megatron_per_epoch_and_hybrid_findings_follow_the_recorded_numbers(repo
     assert ("gpt2 1 GPUs: megatron-intra per epoch 50, 25, 18 vs ddp 60, 30, 20: mean per-epoch gain +14.4%; epochs to "
             "target 2 vs 2; effective batch 8 vs 8") in megatron["evidence"]
     assert "gpt2: gain +14.4% at 1 GPUs, -3.6% at 4 (better per epoch: at least +2%)" in megatron["evidence"]
-    assert any("they train differently (optimizer adamw vs lamb, lr 0.003 vs 0.01" in e for e in megatron["evidence"])
+    assert any("they train differently (optimizer adamw vs lamb, lr 0.001 vs 0.01" in e for e in megatron["evidence"])
     hybrid = found["hybrid_best_at_scale"]
     # the reports quote the cost model at paper scale, which has the hybrid (tp=4) send more per GPU than DDP
     assert hybrid["verdict"] == "does not hold"
@@ -257,19 +258,23 @@ def test_megatron_per_epoch_and_hybrid_findings_follow_the_recorded_numbers(repo
 
 def test_hybrid_without_timing_rests_on_memory_and_the_cost_models_predictions(report: Path) -> None:
     from repro.report.collect import collect
-    from repro.report.findings import Prediction, judge
+    from repro.report.evidence import Prediction
+    from repro.report.findings import judge
 
     results = collect(cells(), f"sqlite:///{report.parent}/mlflow.db", "table2-test")
     comm = {"megatron-hybrid": 3.0, "megatron-intra": 9.0, "ddp": 4.0}
+    error = {"megatron-hybrid": 0.02, "megatron-intra": 0.05, "ddp": 0.01}  # each row's, over 2 counted cells
 
     def predict(workload: str, row: str, gpus: int) -> Prediction | None:
-        return Prediction(None, comm[row] * gpus * MIB, "communication within 2% at smoke scale") if row in comm else None
+        return Prediction(None, comm[row] * gpus * MIB, {"comm": error[row]}, 2) if row in comm else None
 
     hybrid = {f.key: f for f in judge(results, cores=1, predict=predict)}["hybrid_best_at_scale"]
     assert hybrid.verdict == "holds"
     assert ("gpt2 4 GPUs: timing clause not testable here: 4 processes on 1 cores: epoch times measure contention; "
             "the verdict rests on memory and communication") in hybrid.evidence
-    assert ("gpt2 64 GPUs (predicted, communication within 2% at smoke scale): megatron-hybrid sends 192.00 MiB per GPU "
+    # a sentence on three rows quotes the worst of their errors, not the hybrid's alone
+    assert ("gpt2 64 GPUs (predicted, model error over 6 counted smoke cells of ddp, megatron-hybrid, megatron-intra "
+            "(reports/model_check.md): comm at most 5.00% (megatron-intra)): megatron-hybrid sends 192.00 MiB per GPU "
             "a step; megatron-intra 576.00 MiB, ddp 256.00 MiB") in hybrid.evidence
     comm["megatron-hybrid"] = 5.0  # more than DDP's: the prediction clause turns the verdict
     assert {f.key: f for f in judge(results, cores=1, predict=predict)}["hybrid_best_at_scale"].verdict == "does not hold"
@@ -279,7 +284,7 @@ def test_research_questions_are_answered_from_the_runs(report: Path) -> None:
     """Each answer has 2-4 sentences, each with its evidence; altered runs give altered answers."""
     from repro.report.answers import MEASURED, NOT_TESTABLE, PREDICTED, answer
     from repro.report.collect import collect
-    from repro.report.findings import Prediction, Results
+    from repro.report.evidence import Prediction, Results
 
     written = json.loads((report / "findings.json").read_text())["research_questions"]
     assert [a["key"] for a in written] == ["RQ1", "RQ2", "RQ3", "RQ4", "RQ5"]
@@ -291,7 +296,9 @@ def test_research_questions_are_answered_from_the_runs(report: Path) -> None:
     assert "the hybrid (tp=2 x dp=2) needs 5.00 MiB per GPU, rank 3 of 4" in text["RQ5"]
     # the reports connect the cost model at paper scale, quoted with its error against these (fake) runs
     assert "communication per GPU a step: megatron-hybrid 50519.32 MiB at 8 -> 50519.32 MiB at 64" in text["RQ5"]
-    assert "over 3 counted smoke cells (reports/model_check.md)" in text["RQ5"]
+    # every row's cells count: the fake DDP runs' payload is far off the model, and the sentence says so
+    assert ("(model error over 6 counted smoke cells of ddp, megatron-hybrid, megatron-intra (reports/model_check.md): "
+            "comm at most 375.45% (ddp))") in text["RQ5"]
     assert (report / "findings.md").read_text().startswith("# The paper's research questions, answered from these runs")
 
     results = collect(cells(), f"sqlite:///{report.parent}/mlflow.db", "table2-test")
@@ -303,13 +310,24 @@ def test_research_questions_are_answered_from_the_runs(report: Path) -> None:
         if r.ok and r.cell.row == "ddp":
             r.val = [200.0] * 3
 
+    errors = {"zero": ({"model_state": 0.03, "activations": 0.01}, 2), "ddp": ({"model_state": 0.0, "activations": 0.08}, 3),
+              "torchgpipe": ({}, 0)}  # torchgpipe: no cell counted
+
     def predict(workload: str, row: str, gpus: int) -> Prediction:
-        return Prediction(gpus * MIB, gpus * MIB / 2, "memory within 3% at smoke scale")
+        return Prediction(gpus * MIB, gpus * MIB / 2, *errors.get(row, ({"model_state": 0.01, "comm": 0.04}, 1)))
 
     altered = {a.key: a for a in answer(Results(results, CORES, PARITY, predict), [8, 64])}
     text = {key: " ".join(s.text for s in a.sentences) for key, a in altered.items()}
     assert "below DDP's by 72% at 2 GPUs" in text["RQ4"]
     assert "needs 4.05 MiB per GPU, rank 2 of 4" in text["RQ5"] and "ranks 4 of 4 (9.50s" in text["RQ5"]
     assert "; data never within the recipe's epochs." in text["RQ1"]  # DDP never reaches it, ZeRO failed at 4
-    assert "zero 8.00 MiB at 8 -> 64.00 MiB at 64 (model error: memory within 3% at smoke scale)" in text["RQ4"]
+    # a sentence on several rows quotes each quantity's worst error with its row, and the rows never checked
+    assert ("ddp 8.00 MiB at 8 -> 64.00 MiB at 64; zero 8.00 MiB at 8 -> 64.00 MiB at 64 (model error over 5 counted "
+            "smoke cells of ddp, zero (reports/model_check.md): model state at most 3.00% (zero), activations at most "
+            "8.00% (ddp))") in text["RQ4"]
+    assert ("torchgpipe 8.00 MiB at 8 -> 64.00 MiB at 64 (model error over 6 counted smoke cells of ddp, megatron-intra, "
+            "zero (reports/model_check.md): model state at most 3.00% (zero), activations at most 8.00% (ddp); "
+            "torchgpipe unchecked)") in text["RQ2"]
+    # DDP's cells counted memory but no payload: on communication it is unchecked, not silently left out
+    assert "megatron-intra (reports/model_check.md): comm at most 4.00% (megatron-hybrid); ddp unchecked)" in text["RQ5"]
     assert altered["RQ4"].sentences[-1].evidence == PREDICTED

@@ -15,7 +15,9 @@ import torch
 
 from conftest import Repro, mlflow_runs, read_events, wait_for_event
 from ranks import train
-from repro import registry, runner
+from repro import registry
+from repro.run import lifecycle
+from repro.run.options import LaunchError
 from repro.adapters.base import Adapter
 from repro.recipe import Recipe, load_file, recipe_path
 
@@ -211,8 +213,8 @@ def test_an_adapter_without_checkpoint_or_replicated_state_refuses_resume(repro:
     from repro.recipe import load_file, recipe_path
 
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=fsdp"])
-    with pytest.raises(runner.LaunchError, match=f"^{re.escape(f'--resume: {reason}')}$"):
-        runner.find_resumable(recipe, "latest")
+    with pytest.raises(LaunchError, match=f"^{re.escape(f'--resume: {reason}')}$"):
+        lifecycle.find_resumable(recipe, "latest")
 
 
 @pytest.mark.units

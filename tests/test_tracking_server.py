@@ -15,7 +15,7 @@ import pytest
 
 from conftest import Repro, read_events
 from mlflow_server import POSTGRESQL
-from repro import runner
+from repro.run import record
 from repro.delivery import State, deliverable_files
 from repro.recipe import resolve
 from repro.tracking import event_metrics
@@ -80,7 +80,7 @@ def assert_exactly_once(uri: str, run_dir: Path, status: str) -> None:
     assert run.info.status == status
     assert logged_points(uri, run_dir) == produced_points(run_dir)
     recorded = spec(run_dir)
-    params = runner.run_params(resolve(recorded["recipe"], recorded["recipe"]["source"]))
+    params = record.run_params(resolve(recorded["recipe"], recorded["recipe"]["source"]))
     start = next(e for e in read_events(run_dir) if e["event"] == "start")
     params.update({f"adapter.{k}": json.dumps(v) for k, v in start["adapter"].items()})
     assert run.data.params == params

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
-from repro import cli, hardware, registry, runner, tracking
+from repro import cli, hardware, registry, tracking
+from repro.run.preflight import CPU_PROCESSES_PER_CORE
 from repro.data.sets import DATASETS
 from repro.recipe import SCALES, recipe_path
 
@@ -124,7 +125,7 @@ BAD_INPUTS: dict[str, st.SearchStrategy] = {
                   st.integers(1, 10**6)),
         st.builds(lambda extra: GPT2_SYNTHETIC + ["--set", "run.device=cpu", "--set", "data.max_train_samples=null",
                                                   "--set", "train.batch_per_gpu=1",
-                                                  "--gpus", str(runner.CPU_PROCESSES_PER_CORE * hardware.cpu_cores() + extra)],
+                                                  "--gpus", str(CPU_PROCESSES_PER_CORE * hardware.cpu_cores() + extra)],
                   st.integers(1, 200)),
     ).map(lambda a: (a, None)),
     "data missing or too small": st.one_of(

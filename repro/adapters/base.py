@@ -54,6 +54,23 @@ class RunContext:
     run_dir: Path | None = None  # files a rank writes here are recorded with the run
 
 
+class Reduction:
+    """A collective's result, read once every rank has joined it (`result`): the loop starts the
+    reduction of a window's losses after one step and reads it after the next, so it waits neither
+    for a peer that is a little behind nor, on a GPU, for the collective itself."""
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None = None, divisor: int = 1):
+        self.tensor, self.work, self.divisor = tensor, work, divisor
+
+    def result(self) -> torch.Tensor:
+        """The reduced tensor (divided by `divisor`: a mean), once the collective has finished."""
+        if self.work is not None:
+            self.work.wait()  # on a GPU: the current stream waits for it, the host does not
+        if self.divisor != 1:
+            self.tensor /= self.divisor
+        return self.tensor
+
+
 class Adapter:
     """Base class. Subclasses implement `setup` and `train_step`; the rest has data-parallel defaults."""
 
@@ -139,10 +156,10 @@ class Adapter:
         (None on ranks without one). The loop reduces a window of them at once (reduce_losses)."""
         raise NotImplementedError
 
-    def reduce_losses(self, losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+    def reduce_losses(self, losses: list[torch.Tensor | None]) -> Reduction | None:
         """Each step's global mean loss from the per-shard losses of several steps, in one collective
-        (called on every rank at once); valid on the reporting rank, None where it has none."""
-        return self.all_reduce(torch.stack(losses).float(), self.data_group, average=True)
+        (started on every rank at once, read later); valid on the reporting rank, None where it has none."""
+        return self.all_reduce_started(torch.stack(losses).float(), self.data_group, average=True)
 
     def end_epoch(self) -> None:
         """Finish the epoch's outstanding training work (an asynchronous pipeline drains here)."""
@@ -238,6 +255,14 @@ class Adapter:
     def clip_gradients(self, parameters: Any) -> None:
         if self.ctx.recipe.train.grad_clip:
             nn.utils.clip_grad_norm_(parameters, self.ctx.recipe.train.grad_clip)
+
+    @staticmethod
+    def all_reduce_started(tensor: torch.Tensor, group: Any = None, average: bool = False) -> Reduction:
+        """`all_reduce`, started without waiting for the peers (a collective on the device's stream)."""
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            work = dist.all_reduce(tensor, group=group, async_op=True)
+            return Reduction(tensor, work, dist.get_world_size(group) if average else 1)
+        return Reduction(tensor)
 
     @staticmethod
     def all_reduce(tensor: torch.Tensor, group: Any = None, average: bool = False) -> torch.Tensor:

@@ -93,6 +93,18 @@ class FSDPAdapter(Adapter):
             return init_device_mesh(self.ctx.device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(self.ctx.device.type, (world,), mesh_dim_names=("shard",))
 
+    def set_training(self, mode: bool) -> None:
+        """Back in training after evaluation, reshard every unit: grad-op keeps a unit gathered from its
+        forward until its backward, and an evaluation forward has no backward, so the whole model would
+        stay gathered into the next step (and the model-state count would see it instead of the shards)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        super().set_training(mode)
+        if mode:
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """FSDP casts parameters itself (MixedPrecisionPolicy), so no autocast on top."""
         return contextlib.nullcontext()

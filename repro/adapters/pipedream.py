@@ -58,9 +58,10 @@ from torch import nn
 from torch.func import functional_call
 
 from repro.adapters import pipeline
-from repro.adapters.base import Adapter
+from repro.adapters.base import Adapter, Reduction
 from repro.checkpoint import atomic_torch_save
 from repro.communication import CallCounter
+from repro.metrics import tensor_bytes
 from repro.optim import make_optimizer
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
@@ -125,6 +126,7 @@ class PipeDreamAdapter(Adapter):
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.live.values()) if self.live else None
         self.version = 0  # updates this stage has applied
         self.versions = {0: self.snapshot()}
+        self.stash_peak = 0  # bytes of stashed weight versions at their peak (stashed_bytes)
         self.in_flight: deque[InFlight] = deque()
         self.admitted = 0
         self.sends: list[tuple[Any, torch.Tensor]] = []
@@ -212,11 +214,26 @@ class PipeDreamAdapter(Adapter):
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         self.flush_sends()
         admitted = self.forward_pass(inputs, targets)
+        if self.admitted <= 2 * self.stages:  # steady from forward 2S - 1 on stage 0; later steps are timed
+            self.stash_peak = max(self.stash_peak, self.stashed_bytes())
         while len(self.in_flight) > self.warmup:
             self.backward_oldest()
         return self.shard_loss(admitted.output) if self.last else None
 
-    def reduce_losses(self, losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+    def stashed_bytes(self) -> int:
+        """Bytes of the weight versions this stage holds besides its live weights: the snapshots its
+        in-flight forwards ran on and the newest one (the next forward's)."""
+        versions = [*self.versions.values(), *(entry.params for entry in self.in_flight)]
+        return tensor_bytes(t for version in versions for t in version.values())
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Live weights, gradients and optimizer state, and with the weights the stashed versions at their
+        peak over the first 2 S steps (weight stashing is what PipeDream holds beyond a plain stage: S - s
+        versions once every in-flight forward ran on its own version, from stage 0's forward 2 S - 1 on)."""
+        state = super().model_state_bytes()
+        return {**state, "parameters": state["parameters"] + self.stash_peak}
+
+    def reduce_losses(self, losses: list[torch.Tensor | None]) -> Reduction | None:
         return pipeline.last_stage_losses(losses)
 
     def end_epoch(self) -> None:

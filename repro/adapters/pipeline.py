@@ -15,16 +15,17 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from repro.adapters.base import Reduction
 from repro.recipe import Recipe
 from repro.schema import RecipeError
 
 TIMING_REPEATS = 3
 
 
-def last_stage_losses(losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+def last_stage_losses(losses: list[torch.Tensor | None]) -> Reduction | None:
     """A pipeline's reduce_losses: the last stage's loss is already the whole batch's, so nothing is
     communicated; ranks without the last stage have None."""
-    return None if losses[0] is None else torch.stack(losses).float()
+    return None if losses[0] is None else Reduction(torch.stack(losses).float())
 
 
 def untie(model: nn.Sequential, group_of_layer: Sequence[int]) -> list[tuple[nn.Parameter, nn.Parameter]]:

@@ -35,9 +35,10 @@ from torch import nn
 
 from repro import registry
 from repro.adapters import pipeline
-from repro.adapters.base import Adapter, parameter_users
+from repro.adapters.base import Adapter, Reduction, parameter_users
 from repro.checkpoint import atomic_torch_save
 from repro.optim import make_optimizer
+from repro.partition import balance
 from repro.recipe import FrameworkOptions, Recipe, section_key
 from repro.schema import RecipeError
 
@@ -65,33 +66,6 @@ def stages_per_rank(options: TorchPipelineOptions) -> int:
 
 def microbatches(recipe: Recipe) -> int:
     return recipe.options().microbatches or 2 * recipe.run.gpus
-
-
-def balance(weights: list[int], stages: int, starts: list[bool] | None = None) -> list[int]:
-    """Layers per stage: contiguous stages, each with some weight and beginning where `starts` allows
-    (anywhere when None), that minimise the heaviest stage's weight. ValueError when no split fits."""
-    count = len(weights)
-    starts = starts or [True] * count
-    prefix = [0]
-    for weight in weights:
-        prefix.append(prefix[-1] + weight)
-    # best[k][i]: (heaviest stage, cut) splitting the first i layers into k stages
-    best = [[(float("inf"), 0)] * (count + 1) for _ in range(stages + 1)]
-    best[0][0] = (0, 0)
-    for k in range(1, stages + 1):
-        for i in range(k, count + 1):
-            best[k][i] = min(
-                (max(best[k - 1][j][0], prefix[i] - prefix[j] or float("inf")) if starts[j] else float("inf"), j)
-                for j in range(k - 1, i)
-            )
-    if best[stages][count][0] == float("inf"):
-        raise ValueError(f"no split of {count} layers into {stages} stages gives every stage parameters")
-    sizes, end = [], count
-    for k in range(stages, 0, -1):
-        start = best[k][end][1]
-        sizes.append(end - start)
-        end = start
-    return sizes[::-1]
 
 
 def stage_starts(model: nn.Sequential) -> list[bool]:
@@ -246,7 +220,7 @@ class TorchPipelineAdapter(Adapter):
         self.optimizer.step()
         return self.shard_loss(torch.stack(losses).mean()) if losses else None
 
-    def reduce_losses(self, losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+    def reduce_losses(self, losses: list[torch.Tensor | None]) -> Reduction | None:
         return pipeline.last_stage_losses(losses)
 
     def clip_whole_model(self) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from repro.report import settings as run_settings
-from repro.report.collect import Result
 import yaml
 
-from repro.report.findings import Results, mib, thresholds_path
+from repro.report import settings as run_settings
+from repro.report.collect import Result
+from repro.report.evidence import COMM_CHECKS, MEMORY_CHECKS, Results, mib, thresholds_path
+from repro.report.predicted import model_error
 
 MEASURED, PREDICTED, NOT_TESTABLE = "measured here", "predicted at paper scale", "not testable here"
 FAMILIES = {  # the paper's three kinds of parallelism, and its hybrid, by matrix row
@@ -143,26 +144,28 @@ def rq2(res: Results, paper_gpus: list[int]) -> list[Sentence]:
             reason = res.timed([r for row, r in res.at(w, beyond[-1]).items()])
             out.append(Sentence(f"Speed-up to {beyond[-1]} GPUs: {reason}.", NOT_TESTABLE))
     return out[:3] + [prediction_sentence(res, "memory per GPU", paper_gpus,  # the prediction keeps its place
-                                          ("ddp", "zero", "megatron-intra", "torchgpipe"), lambda p: p.memory_bytes)]
+                                          ("ddp", "zero", "megatron-intra", "torchgpipe"), lambda p: p.memory_bytes,
+                                          MEMORY_CHECKS)]
 
 
 def prediction_sentence(res: Results, what: str, paper_gpus: list[int], rows: tuple[str, ...],
-                        value: Callable) -> Sentence:
-    """The cost model's `what` at the paper's GPU counts for `rows`, or that it is not available."""
+                        value: Callable, checks: tuple[str, ...]) -> Sentence:
+    """The cost model's `what` at the paper's GPU counts for `rows`, with the model's error on every row
+    quoted (`checks`: the counted quantities that check `what`), or that it is not available."""
     w = "gpt2" if "gpt2" in res.workloads or not res.workloads else res.workloads[0]
     if res.predict is None:
         return Sentence(f"At the paper's {paper_gpus[0]}-{paper_gpus[-1]} GPUs, {what}: prediction not available "
                         "(no cost model connected to this report).", PREDICTED)
-    parts, error = [], ""
+    parts, quoted = [], {}
     for row in rows:
         points = [(g, res.predict(w, row, g)) for g in (paper_gpus[0], paper_gpus[-1])]
         points = [(g, p) for g, p in points if p and value(p) is not None]
         if points:
-            error = points[0][1].error
+            quoted[row] = points[0][1]
             parts.append(f"{row} " + " -> ".join(f"{mib(value(p))} at {g}" for g, p in points))
     if not parts:
         return Sentence(f"At the paper's GPU counts, {what}: the cost model gives no figure for these rows.", PREDICTED)
-    return Sentence(f"At the paper's scale ({w}), {what}: {'; '.join(parts)} (model error: {error}).", PREDICTED)
+    return Sentence(f"At the paper's scale ({w}), {what}: {'; '.join(parts)} ({model_error(quoted, checks)}).", PREDICTED)
 
 
 def rq3(res: Results) -> list[Sentence]:
@@ -224,7 +227,8 @@ def rq4(res: Results, paper_gpus: list[int]) -> list[Sentence]:
             out.append(Sentence(f"Its epoch time at {g} GPUs: {res.timed([z, d])}.", NOT_TESTABLE))
     if not out:
         out.append(Sentence("No ZeRO and DDP cells at 2 GPUs or more finished.", NOT_TESTABLE))
-    return out[:3] + [prediction_sentence(res, "memory per GPU", paper_gpus, ("ddp", "zero"), lambda p: p.memory_bytes)]
+    return out[:3] + [prediction_sentence(res, "memory per GPU", paper_gpus, ("ddp", "zero"), lambda p: p.memory_bytes,
+                                          MEMORY_CHECKS)]
 
 
 def rq5(res: Results, paper_gpus: list[int]) -> list[Sentence]:
@@ -259,7 +263,8 @@ def rq5(res: Results, paper_gpus: list[int]) -> list[Sentence]:
     if not out:
         out.append(Sentence("No hybrid cell with data parallelism (dp > 1) finished.", NOT_TESTABLE))
     return out[:3] + [prediction_sentence(res, "communication per GPU a step", paper_gpus,
-                                          ("megatron-hybrid", "megatron-intra", "ddp"), lambda p: p.comm_bytes)]
+                                          ("megatron-hybrid", "megatron-intra", "ddp"), lambda p: p.comm_bytes,
+                                          COMM_CHECKS)]
 
 
 def answer(res: Results, paper_gpus: list[int] | None = None) -> list[Answer]:

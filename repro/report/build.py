@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from repro.hardware import PAPER_PLATFORMS, this_platform
-from repro.report import answers, figures, findings, model_check, tables
+from repro.report import answers, evidence, figures, findings, model_check, tables
 from repro.report.collect import Result, collect
 from repro.cell import Cell
 
@@ -14,7 +14,7 @@ REPORT_RUN = "table2-report"
 
 
 def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str,
-                  cores: int | None = None, predict: findings.Predictor | None = None) -> list[Path]:
+                  cores: int | None = None, predict: evidence.Predictor | None = None) -> list[Path]:
     """Every report file; the findings also read the parity report already in `folder`, if any.
     `cores`: the machine's (default), which decides whether epoch times can be compared; `predict`:
     the cost model at paper scale (default: repro.predictions, quoted with the errors of this run's model check)."""
@@ -27,9 +27,9 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     checked = model_check.checks(results)
     paths += model_check.write(folder, checked, uri)
     predict = predict or model_check.paper_predictor(checked)
-    parity, cores = read_parity(folder), cores or findings.available_cores()
+    parity, cores = read_parity(folder), cores or evidence.available_cores()
     verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict)
-    answered = answers.answer(findings.Results(results, cores, parity, predict))
+    answered = answers.answer(evidence.Results(results, cores, parity, predict))
     (folder / "findings.md").write_text(answers.markdown(answered) + "\n" + findings.markdown(verdicts))
     (folder / "findings.json").write_text(json.dumps({"research_questions": [asdict(a) for a in answered],
                                                       "findings": [asdict(f) for f in verdicts]}, indent=2))

@@ -14,7 +14,7 @@ from typing import Any
 
 from repro import costmodel, events
 from repro.report.collect import Result
-from repro.report.findings import Prediction, Predictor
+from repro.report.evidence import Prediction, Predictor
 
 QUANTITY_METRIC = {"model_state": "model_state_bytes", "activations": "activation_bytes", "comm": "comm_bytes"}
 
@@ -61,23 +61,20 @@ def paper_predictor(checked: list[dict[str, Any]]) -> Predictor:
         prediction = predict_row(workload, row, gpus)
         if prediction is None:
             return None
-        return Prediction(prediction.estimated_peak, prediction.comm_bytes, checked_error(checked, row))
+        return Prediction(prediction.estimated_peak, prediction.comm_bytes, *checked_errors(checked, row))
 
     return predicted
 
 
-def checked_error(checked: list[dict[str, Any]], row: str) -> str:
-    """The largest error per quantity over this row's checked cells here, as the findings quote it."""
+def checked_errors(checked: list[dict[str, Any]], row: str) -> tuple[dict[str, float], int]:
+    """The largest error per quantity over this row's checked cells here, and how many cells were checked."""
     worst: dict[str, float] = {}
     cells = [cell for cell in checked if cell["row"] == row and "rows" in cell]
     for cell in cells:
         for entry in cell["rows"]:
             if entry["error"] is not None:
                 worst[entry["quantity"]] = max(worst.get(entry["quantity"], 0.0), entry["error"])
-    if not worst:
-        return f"no {row} cell checked against the counters here"
-    within = ", ".join(f"{quantity.replace('_', ' ')} within {error:.2%}" for quantity, error in worst.items())
-    return f"{within} over {len(cells)} counted smoke cells (reports/model_check.md)"
+    return worst, len(cells) if worst else 0
 
 
 def fmt(value: float | None) -> str:

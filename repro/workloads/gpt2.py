@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from repro.data import SYNTHETIC
 from repro.recipe import Recipe
 from repro.schema import AT_LEAST_1, FRACTION, RecipeError
-from repro.workloads import Workload, limit
+from repro.workloads import Workload
 
 TOKENIZER_VOCAB = {"bytes": 256, "gpt2": 50257}
 SPLIT_FILES = {
@@ -122,17 +122,28 @@ def build_gpt2(spec: GPT2Spec) -> nn.Sequential:
 
 
 class TokenChunks(torch.utils.data.Dataset):
-    """Non-overlapping windows of seq_len + 1 tokens: input is the first seq_len, target the last."""
+    """Non-overlapping windows of seq_len + 1 tokens: input is the first seq_len, target the last
+    (the first `count` windows only, when given)."""
 
-    def __init__(self, ids: torch.Tensor, seq_len: int):
+    def __init__(self, ids: torch.Tensor, seq_len: int, count: int | None = None):
         self.ids, self.seq_len = ids, seq_len
+        windows = (len(ids) - 1) // seq_len
+        self.count = windows if count is None else min(count, windows)
+        # every window's input and target as a row of one 2-D view of the tokens (no copy)
+        self.inputs = ids[: self.count * seq_len].view(self.count, seq_len)
+        self.targets = ids[1 : self.count * seq_len + 1].view(self.count, seq_len)
 
     def __len__(self) -> int:
-        return (len(self.ids) - 1) // self.seq_len
+        return self.count
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = self.ids[index * self.seq_len : (index + 1) * self.seq_len + 1]
-        return window[:-1], window[1:]
+        return self.inputs[index], self.targets[index]
+
+    def collated(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `default_collate` makes of these windows, bit for bit, in two gathers instead of a
+        slice per sample and a stack (repro.loop.InProcessBatches fetches through it)."""
+        rows = torch.tensor(indices)
+        return self.inputs[rows], self.targets[rows]
 
 
 def tokenize(path: Path, tokenizer: str) -> torch.Tensor:
@@ -173,9 +184,10 @@ class GPT2Workload(Workload):
 
     def real_datasets(self) -> tuple[TokenChunks, TokenChunks]:
         train_file, val_file = SPLIT_FILES[self.data.dataset]
-        train = TokenChunks(tokenize(self.data_dir / train_file, self.spec.tokenizer), self.spec.seq_len)
-        val = TokenChunks(tokenize(self.data_dir / val_file, self.spec.tokenizer), self.spec.seq_len)
-        return limit(train, self.data.max_train_samples), limit(val, self.data.max_val_samples)
+        seq_len, data = self.spec.seq_len, self.data
+        train = TokenChunks(tokenize(self.data_dir / train_file, self.spec.tokenizer), seq_len, data.max_train_samples)
+        val = TokenChunks(tokenize(self.data_dir / val_file, self.spec.tokenizer), seq_len, data.max_val_samples)
+        return train, val
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))

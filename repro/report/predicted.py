@@ -1,0 +1,95 @@
+"""The cost model's figures at the paper's scale, quoted in the findings as predictions beside what was
+measured here, each with the model's error against this machine's counters. One function per finding
+that quotes the model: predictions for another finding belong here too.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from repro.report.evidence import COMM_CHECKS, FAILS, HOLDS, MEMORY_CHECKS, Prediction, Results, mib
+
+
+def model_error(predictions: dict[str, Prediction | None], quantities: tuple[str, ...]) -> str:
+    """The model's error behind predicted figures of several rows: per quantity the largest over all their
+    counted smoke cells, naming its row, and the rows none of whose cells counted these quantities (unchecked)."""
+    checked = {row: p for row, p in predictions.items() if p and p.checked_cells and set(quantities) & set(p.errors)}
+    unchecked = sorted(row for row in predictions if row not in checked)
+    worst = []
+    for quantity in quantities:
+        errors = {row: p.errors[quantity] for row, p in checked.items() if quantity in p.errors}
+        if errors:
+            row = max(errors, key=errors.get)
+            worst.append(f"{quantity.replace('_', ' ')} at most {errors[row]:.2%} ({row})")
+    text = (f"model error over {sum(p.checked_cells for p in checked.values())} counted smoke cells of "
+            f"{', '.join(sorted(checked))} (reports/model_check.md): {', '.join(worst)}" if worst
+            else "model error: no smoke cell of these rows counted against the model here")
+    return text + (f"; {', '.join(unchecked)} unchecked" if unchecked and worst else "")
+
+
+def zero_memory_predicted(res: Results, from_gpus: int, paper: tuple[float, float]) -> list[str]:
+    """ZeRO's saving at the paper's scale and GPU counts, from the cost model: a prediction beside the
+    paper's figure, not a verdict; with the model's error on ZeRO's and DDP's cells where it is connected."""
+    from repro.predictions import quoted, zero_saving
+    from repro.table2 import load_matrix
+
+    notes = []
+    for w in res.workloads:
+        values, counts = [], [g for g in load_matrix().scales["paper"].gpus if g >= from_gpus]
+        for g in counts:
+            saving = zero_saving(w, g)
+            if saving:
+                state, peak = saving
+                values.append(f"{g} GPUs {state:.0%}" + (f" ({peak:.0%} of model state + activations)" if peak is not None else ""))
+        if values:
+            error = (f" ({model_error({row: res.predict(w, row, counts[-1]) for row in ('zero', 'ddp')}, MEMORY_CHECKS)})"
+                     if res.predict else "")
+            notes.append(f"{w} at paper scale, ZeRO's model-state saving against DDP (paper: {paper[0]:.0%}-{paper[1]:.0%}), "
+                         + quoted(values) + error)
+    return notes
+
+
+def predicted_hybrid(res: Results, w: str, t: dict[str, Any], notes: list[str]) -> list[str]:
+    """The cost model's per-GPU communication and memory of the hybrid against Megatron-intra and DDP at
+    the paper's GPU counts (marked as predictions), or why there are none."""
+    if res.predict is None:
+        notes.append(f"{w}: communication per GPU and the paper's GPU counts: no cost model connected "
+                     "(predictions not available)")
+        return []
+    verdicts = []
+    for g in t["paper_gpus"]:
+        figures = {row: res.predict(w, row, g) for row in (t["row"], *t["against"])}
+        figures = {row: p for row, p in figures.items() if p and p.comm_bytes is not None}
+        if t["row"] not in figures or len(figures) < 2:
+            continue
+        error = model_error(figures, COMM_CHECKS)
+        mine = figures.pop(t["row"])
+        less = all(mine.comm_bytes < p.comm_bytes for row, p in figures.items() if row in t["data_parallel"] or row == "megatron-intra")
+        verdicts.append(HOLDS if less else FAILS)
+        notes.append(f"{w} {g} GPUs (predicted, {error}): {t['row']} sends {mib(mine.comm_bytes)} per GPU a step; "
+                     + ", ".join(f"{row} {mib(p.comm_bytes)}" for row, p in figures.items()))
+    return verdicts
+
+
+def pipeline_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
+    """Where each pipeline's memory per GPU (model state + activations) plateaus at the paper's scale and
+    GPU counts, from the cost model: a prediction beside the measured verdict, with the model's error."""
+    from repro.predictions import quoted
+    from repro.table2 import load_matrix
+
+    if res.predict is None:
+        return []
+    notes, counts = [], load_matrix().scales["paper"].gpus
+    for w in res.workloads:
+        for row in t["rows"]:
+            figures = {g: res.predict(w, row, g) for g in counts}
+            memory = {g: p.memory_bytes for g, p in figures.items() if p and p.memory_bytes}
+            if len(memory) < 2:
+                notes.append(f"{w} {row} at paper scale: no memory prediction (its activations are not modelled)")
+                continue
+            gpus = sorted(memory)
+            flat = [b for a, b in zip(gpus, gpus[1:]) if memory[a] / memory[b] < t["plateau_ratio"]]
+            where = f"plateaus from {flat[0]} GPUs (a step down below x{t['plateau_ratio']})" if flat else "no plateau"
+            error = model_error({row: figures[gpus[-1]]}, MEMORY_CHECKS)
+            notes.append(f"{w} {row} at paper scale, memory per GPU {where}, "
+                         + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error})")
+    return notes

@@ -1,0 +1,73 @@
+"""CPU stand-in ranks on this node, started warm (docs/launch.md): forked from a warm launcher's fork
+server (repro.warm), which `repro table2` keeps for the whole matrix (Launch.warm) and a run of several
+processes starts for itself; a run of one process starts its one rank without any launcher process.
+
+Runs whose ranks are not torchrun's workers of the loop on this node, on CPU (GPU runs, a framework
+with its own runtime such as LBANN's driver) keep torchrun: LocalExecutor.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+from typing import Callable, Iterator
+
+from repro import hardware, launch, registry, tracking
+from repro.recipe import Recipe
+from repro.run.executors.base import DRY_RUN_DIR
+from repro.run.executors.local import LocalExecutor
+from repro.run.follower import follow
+from repro.run.lifecycle import read_spec
+from repro.run.options import Launch, Outcome
+from repro.run.progress import Progress
+from repro.warm import plan
+from repro.warm.client import Launcher
+
+CHANNEL_SHOWN = 3  # the launcher's end of its channel as --dry-run shows it (the real one is known at start)
+
+
+def stand_in_ranks(recipe: Recipe, options: Launch) -> bool:
+    """Whether the run's ranks would be torchrun's workers of the loop on this node, on CPU."""
+    if options.launcher != "local" or options.node_rank:
+        return False
+    on_gpu = recipe.run.device == "cuda" or (recipe.run.device == "auto" and hardware.gpu_count())
+    command = registry.adapter_class(recipe.run.framework).command(recipe, DRY_RUN_DIR, options.rdzv_endpoint)
+    return not on_gpu and plan.runs_torchrun_of_the_loop(recipe, command, DRY_RUN_DIR)
+
+
+class WarmExecutor(LocalExecutor):
+    def __init__(self, recipe: Recipe, options: Launch):
+        super().__init__(recipe, options)
+        self.processes = registry.adapter_class(recipe.run.framework).processes(recipe)
+        self.launcher: Launcher | None = options.warm
+
+    @classmethod
+    def fits(cls, recipe: Recipe, options: Launch) -> bool:
+        return stand_in_ranks(recipe, options)
+
+    def command(self, run_dir: Path) -> list[str]:
+        if self.launcher is None and self.processes == 1:
+            return launch.single_rank(run_dir)
+        launcher = self.launcher.command if self.launcher else launch.warm_launcher(CHANNEL_SHOWN, self.preload())
+        return launch.warm_job(launcher, plan.RANK_ENTRY, self.processes, run_dir)
+
+    def preload(self) -> list[str]:
+        return plan.preload([self.recipe])
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """A launcher of the run's own for several ranks, started now: its fork server imports while the
+        run's MLflow record is made; ended with the run."""
+        if self.launcher is not None or self.processes == 1:
+            yield
+            return
+        with Launcher(self.preload()) as self.launcher:
+            yield
+
+    def start(self, run_dir: Path, run: tracking.Run | None, spec: dict | None, echo: Callable[[str], None],
+              progress: Progress | None) -> Outcome:
+        start = None
+        if self.launcher is not None:
+            start = functools.partial(self.launcher.start, plan.RANK_ENTRY, self.processes, [str(run_dir)], run_dir / "ranks")
+        returncode, status = follow(self.command(run_dir), run_dir, echo, progress, start)
+        return Outcome(returncode, read_spec(run_dir)["mlflow_run_id"], run_dir, status)  # delivery may have made it
