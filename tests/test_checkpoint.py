@@ -1,10 +1,13 @@
 """Checkpoint folders and the data position: the pieces that make a resume continue exactly."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from repro import checkpoint
 from repro.loop import GlobalBatches
+
+pytestmark = pytest.mark.units
 
 
 def save(folder, value: float) -> None:

@@ -26,6 +26,7 @@ from repro.workloads.gpt2 import GPT2Spec, build_gpt2
 from repro.workloads.vgg16 import VGG16Spec, build_vgg16
 
 
+@pytest.mark.units
 @pytest.mark.parametrize("spec", [GPT2Spec(4, 64, 4, 64, "bytes", 0.0), GPT2Spec()], ids=["smoke", "medium"])
 def test_gpt2_shape_matches_the_built_module_tensor_for_tensor(spec):
     with torch.device("meta"):
@@ -43,6 +44,7 @@ def test_gpt2_shape_matches_the_built_module_tensor_for_tensor(spec):
         assert parameters(shape) == 354_823_168  # GPT-2-medium, published
 
 
+@pytest.mark.units
 @pytest.mark.parametrize("spec,classes", [(VGG16Spec(8, 128, 1, 32, 0.0), 10), (VGG16Spec(), 1000)], ids=["smoke", "paper"])
 def test_vgg16_shape_matches_the_built_module_layer_for_layer(spec, classes):
     with torch.device("meta"):
@@ -65,11 +67,13 @@ def layer_outputs(model: torch.nn.Sequential, inputs: torch.Tensor) -> list[int]
     return sizes
 
 
+@pytest.mark.units
 def test_the_cost_model_imports_no_torch():
     code = "import sys, repro.costmodel; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
+@pytest.mark.units
 def test_ring_wire_bytes():
     assert costmodel.wire_bytes("all_reduce", 1000, 4) == 1500
     assert costmodel.wire_bytes("all_gather", 250, 4) == 750
@@ -134,7 +138,7 @@ def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
     return cache[name]
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("name", list(CELLS))
 def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name):
     prediction, measured, rows = check(shared_repro, checked, name)
@@ -149,7 +153,7 @@ def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name
         assert rows[1]["within"] is True
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_a_bucket_size_and_a_tp_degree_move_both_sides(shared_repro, checked):
     zero, rebucketed = (check(shared_repro, checked, name) for name in ("zero-4", "zero-4-bucket"))
     assert zero[0].model_state != rebucketed[0].model_state and zero[1]["model_state"] != rebucketed[1]["model_state"]
@@ -160,6 +164,7 @@ def test_a_bucket_size_and_a_tp_degree_move_both_sides(shared_repro, checked):
 
 
 # -- refused before launch ----------------------------------------------------------------------------
+@pytest.mark.units
 def test_a_run_that_cannot_fit_is_refused_before_launch_even_dry(repro):
     out = repro("run", "gpt2", "--set", "model.n_layer=100000000", "--dry-run")
     assert out.returncode == 2
@@ -173,6 +178,7 @@ def test_a_run_that_cannot_fit_is_refused_before_launch_even_dry(repro):
     (VGG16Spec(8, 128, 1, 32, 0.5), 10, 4),  # dropout: a mask and a new output each (CPU: float masks)
     (VGG16Spec(16, 256, 7, 64, 0.5), 1000, 2),  # an average pool to 7x7 saves its input (a 1x1 one does not)
 ], ids=["smoke", "dropout", "pooled"])
+@pytest.mark.units
 def test_vgg16_activations_equal_the_counter(spec, classes, batch):
     from repro.activation import Counter
 
@@ -186,6 +192,7 @@ def test_vgg16_activations_equal_the_counter(spec, classes, batch):
     assert counter.peak_bytes == shape.activation_bytes(batch, 4, mask=4)
 
 
+@pytest.mark.units
 def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     out = subprocess.run([sys.executable, "-X", "importtime", "-m", "repro.cli", "predict", "--gpu-memory", "V100=16GiB"],
                          cwd=REPO, capture_output=True, text=True, check=True)
@@ -205,6 +212,7 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     assert f"megatron-intra's peak per GPU is lowest at {lowest} GPU{'s' if lowest > 1 else ''} ({shape})" in map(str.strip, lines)
 
 
+@pytest.mark.units
 def test_the_model_gives_the_counted_model_state_of_docs_and_the_issue():
     """Counted before the model existed: docs/memory.md's GPT-2 smoke table (Adam, 4 ranks, bucket 20,000) and
     issue 29's bytes per parameter (ZeRO-2 on VGG-16 smoke: 12.83 at 2 ranks, 9.12 at 4; DDP with LAMB 20.0)."""
@@ -219,6 +227,7 @@ def test_the_model_gives_the_counted_model_state_of_docs_and_the_issue():
     assert [round(x, 2) for x in per_param] == [12.83, 9.12]
 
 
+@pytest.mark.units
 def test_the_pipelines_memory_plateau_is_quoted_as_the_models_prediction():
     from repro.predictions import predict_row
     from repro.report.evidence import Results

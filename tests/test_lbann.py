@@ -21,6 +21,8 @@ from repro.recipe import load_file, recipe_path
 from repro.schema import RecipeError
 from repro.workloads.vgg16 import VGG16Spec, build_vgg16
 
+pytestmark = pytest.mark.units
+
 GOLDEN = Path(__file__).parent / "golden"
 PAPER_FP32 = ["run.framework=lbann", "train.precision=fp32"]
 
