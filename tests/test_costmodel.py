@@ -243,6 +243,7 @@ def test_the_pipelines_memory_plateau_is_quoted_as_the_models_prediction():
     assert "plateaus from 4 GPUs" in pipedream and f"2 GPUs {peaks[1] / 2**20:.2f} MiB" in pipedream
 
 
+@pytest.mark.units
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_megatrons_layer_is_korthikantis_in_16_bit_with_dropout_plus_what_the_local_spec_adds(tp):
     """Korthikanti et al. 2022: s b h (10 + 24 / tp + 5 a s / (h tp)) bytes per layer in 16-bit with dropout
@@ -258,6 +259,7 @@ def test_megatrons_layer_is_korthikantis_in_16_bit_with_dropout_plus_what_the_lo
     assert layer == s * b * h * (10 + 24 // tp) + 5 * a * s * s * b // tp + 2 * a * s * s * b // tp + 16 * s * b
 
 
+@pytest.mark.units
 def test_megatron_activations_are_the_local_specs_only(monkeypatch):
     """On GPUs the adapter uses Transformer Engine's layers where installed (repro.adapters.megatron.layer_spec_name):
     no activation prediction there; the CPU always runs the local spec."""
@@ -268,6 +270,7 @@ def test_megatron_activations_are_the_local_specs_only(monkeypatch):
     assert costmodel.predict(dataclasses.replace(cell, device="cpu")).activations == costmodel.megatron_activations(cell, 2)
 
 
+@pytest.mark.units
 def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
     from repro.predictions import predict_row
     from repro.report.evidence import Results
