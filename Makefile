@@ -45,7 +45,7 @@ MLFLOW_PORT ?= 5000
 MLFLOW_STORE ?= sqlite:///mlflow.db
 EXPERIMENT ?= repro
 
-.PHONY: test-deps test-image help setup lbann-python install install-requirements install-kit test test-fast reproduce-table2 mlflow-ui data clean \
+.PHONY: test-deps test-image help setup lbann-python install install-requirements install-kit test test-fast test-ranks test-end-to-end test-services reproduce-table2 mlflow-ui data clean \
 	image sif compose-up bench gpu-check
 
 help:  ## list targets
@@ -78,7 +78,7 @@ data:  ## prepare the smoke datasets (digits is generated; wikitext-2 is read fr
 # The image test spends most of its time on downloads and disk (building the image), so it runs
 # alongside the others, its output in IMAGE_TEST_LOG, shown when both are done.
 IMAGE_TEST_LOG ?= .test-image.log
-test: data test-deps  ## run the test suite (the image test alongside the others; the slowest tests are listed)
+test: data test-deps  ## run every tier (the image test alongside the others; the slowest tests are listed)
 	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=10 tests/test_image.py $(PYTEST_ARGS) > $(IMAGE_TEST_LOG) 2>&1 & image=$$!; \
 	trap 'kill $$image 2>/dev/null' INT TERM; \
 	$(PYTHON) -m pytest -q --durations=25 --ignore=tests/test_image.py $(PYTEST_ARGS); others=$$?; \
@@ -91,8 +91,18 @@ test-deps:  ## install the Debian packages the tests need (tests/debian-packages
 test-image: data test-deps  ## only the image test (part of `make test`): build from a local Debian base, run it as users do (minutes)
 	$(PYTHON) -m pytest -q tests/test_image.py $(PYTEST_ARGS)
 
-test-fast:  ## unit tests only (no multi-process training)
-	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+# The tiers (tests/tiers.py), named by what their tests need; `make test` runs all four.
+test-fast:  ## the units tier: no process group, no training process (at most 2 minutes)
+	$(PYTHON) -m pytest -q -m units $(PYTEST_ARGS)
+
+test-ranks: data  ## the ranks tier: the real Trainer and adapters in gloo ranks forked by the tests
+	$(PYTHON) -m pytest -q -m ranks $(PYTEST_ARGS)
+
+test-end-to-end: data  ## the end-to-end tier: real `repro` runs per launcher path, faults and signals
+	$(PYTHON) -m pytest -q -m end_to_end $(PYTEST_ARGS)
+
+test-services: data test-deps  ## the services tier: Slurm, PostgreSQL + MLflow server, Chromium, Docker (the image test too)
+	$(PYTHON) -m pytest -q -m services $(PYTEST_ARGS)
 
 reproduce-table2: data  ## run the Table 2 matrix at SCALE (smoke by default) and write reports/
 	$(PYTHON) -m repro.cli table2 --scale $(SCALE)

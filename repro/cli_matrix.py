@@ -124,7 +124,8 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
     \b
     Model state, activations and their sum (the estimated peak, without the allocator's cache and
     communication scratch) per GPU, the payload each GPU hands to communication per step, and on
-    which devices the estimated peak fits. The model is checked against counted runs at smoke scale
+    which devices the estimated peak fits; then at how many GPUs Megatron-intra's peak is lowest (the
+    paper's U). The model is checked against counted runs at smoke scale
     (reports/model_check.md); 16-bit activations and GPU-only paths are unchecked. Imports no torch.
 
     \b
@@ -133,7 +134,7 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
       repro predict --model gpt2 --gpu-memory 24GiB
     """
     from repro.hardware import GPU_MEMORY_GIB
-    from repro.predictions import matrix_predictions
+    from repro.predictions import matrix_predictions, memory_minimum
 
     devices = dict(GPU_MEMORY_GIB)
     if gpu_memory:
@@ -149,9 +150,15 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
     for workload in models or MODELS:
         click.echo(f"{workload}, {scale} scale: per GPU, GiB; communication MiB per step (payload handed)")
         click.echo(f"  {'row':<16}{'gpus':>5}{'state':>9}{'activ.':>9}{'peak':>9}{'comm':>10}  fits")
+        intra: dict[int, float] = {}  # the paper's U: where Megatron-intra's memory per GPU is lowest
         for entry in matrix_predictions(workload, scale):
             p = entry["prediction"]
+            if entry["row"] == "megatron-intra" and p.estimated_peak is not None:
+                intra[entry["gpus"]] = p.estimated_peak
             fits = [name for name, size in devices.items() if p.fit_bytes <= size * 2**30]
             note = "" if p.estimated_peak is not None else " (by model state: activations not modelled)"
             click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{gib(p.model_state):>9}{gib(p.activations):>9}"
                        f"{gib(p.estimated_peak):>9}{p.comm_bytes / 2**20:>10.1f}  {', '.join(fits) or 'none'}{note}")
+        if len(intra) >= 3:
+            lowest, shape = memory_minimum(intra)
+            click.echo(f"  megatron-intra's peak per GPU is lowest at {lowest} GPU{'s' if lowest > 1 else ''} ({shape})")

@@ -21,12 +21,13 @@ models are in repro.costmodel_pipelines, the terms all share (Cell, Prediction) 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from typing import Any
 
 from repro.costmodel_pipelines import pipedream, torch_pipeline, torchgpipe
 from repro.costmodel_terms import ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, optimizer_bytes
-from repro.shapes import GPT2Shape, VGG16Shape, dim0_sharded, flat_sharded, parameters, shape_of, tensor_at, tensor_count
+from repro.shapes import INT64, GPT2Shape, VGG16Shape, dim0_sharded, flat_sharded, parameters, shape_of, tensor_at, tensor_count
 
 DEEPSPEED_ALIGNMENT = 2  # deepspeed/runtime/zero/stage_1_and_2.py: nccl_start_alignment_factor (x dp size)
 # the checked bounds (issue 29): model state and communication exact to 1%, activations to 5%
@@ -223,7 +224,43 @@ def megatron(cell: Cell) -> Prediction:
         reduced += FP32 if cell.option("grad_clip", None) else 0
     if dp > 1:
         reduced += FP32 * psi
-    return Prediction(FP32 * psi, FP32 * psi, optimizer_bytes(cell, psi, count), None, {"all_reduce": reduced})
+    # on GPUs the adapter takes Transformer Engine's fused layers where installed: their activations are not modelled
+    local = cell.device == "cpu" or importlib.util.find_spec("transformer_engine") is None
+    return Prediction(FP32 * psi, FP32 * psi, optimizer_bytes(cell, psi, count),
+                      megatron_activations(cell, tp) if local else None, {"all_reduce": reduced})
+
+
+def megatron_activations(cell: Cell, tp: int) -> int:
+    """Bytes a tp rank saves for backward in megatron-core's GPTModel, local layer spec (docs/memory.md,
+    "Megatron"), at b = batch_per_gpu x tp sequences (the tp group's samples), N = b s tokens, element
+    e, dropout masks of `mask` bytes. Per layer (Korthikanti et al. 2022's count, fp32 and unfused):
+    replicated on every tp rank, the two layer norms' inputs and outputs (4 N h e; the outputs are what
+    linear_qkv and linear_fc1 save: tensor_parallel/layers.py, LinearWithGradAccumulationAndAsync-
+    Communication) and their fp32 mean and rstd (4 N x 4, which the paper leaves out); split over tp, the
+    q, k, v views of linear_qkv's one output (3 N h / tp: dot_product_attention.py, baddbmm and bmm),
+    linear_proj's input (N h / tp), the biased fc1 output GELU saves and GELU's output linear_fc2 saves
+    (8 N h / tp: mlp.py, bias_activation_fusion off); the attention probabilities, b (a / tp) s^2
+    elements (fusions/fused_softmax.py, forward_torch_softmax: the softmax saves its fp32 output, and in
+    16-bit bmm saves the cast copy too). With dropout: attention dropout's mask and output, and the
+    two hidden dropouts' masks (fused_bias_dropout.py): the paper's 5 a s / h and 10 + 24 / tp in 16-bit.
+    Once per model: the causal mask (s^2 bool, masked_fill_), the embedding's token ids (int64; with tp
+    > 1 the vocabulary-masked copy and its bool mask: VocabParallelEmbedding), the positions (the
+    adapter's arange of seq_len), the final layer norm, the head's input, and the vocabulary-parallel
+    cross entropy's fp32 softmax, target mask and int64 targets (cross_entropy.py, save_for_backward),
+    plus the logits' padding mask where the vocabulary is padded to a multiple of tp."""
+    shape, e = cell.shape, ACTIVATION_ELEMENT[cell.precision]
+    mask = e if cell.device == "cpu" else 1
+    s, h, b = shape.seq_len, shape.d_model, cell.batch_per_gpu * tp
+    n, dropout, probs = b * s, shape.dropout > 0, b * (shape.n_head // tp) * s * s
+    if dropout:
+        attention = probs * (FP32 + mask + e)  # softmax output, dropout mask, dropped probabilities
+    else:
+        attention = probs * (FP32 + (e if e != FP32 else 0))  # 16-bit: bmm saves the cast probabilities
+    layer = e * (4 * n * h + 12 * n * h // tp) + 2 * 2 * FP32 * n + attention + (2 * mask * n * h if dropout else 0)
+    padded = -(-shape.vocab // tp) * tp
+    embedding = INT64 * n + (n if tp > 1 else 0) + INT64 * s + (mask * n * h if dropout else 0)
+    head = e * 2 * n * h + 2 * FP32 * n + FP32 * n * padded // tp + n + INT64 * n + (padded // tp if padded != shape.vocab else 0)
+    return embedding + shape.n_layer * layer + s * s + head
 
 
 MODELS = {"ddp": ddp, "zero": zero, "fsdp": fsdp, "megatron": megatron, "torchgpipe": torchgpipe,

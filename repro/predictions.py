@@ -80,6 +80,16 @@ def zero_saving(workload: str, gpus: int, scale: str = "paper") -> tuple[float, 
     return 1 - zero.model_state / ddp.model_state, peak
 
 
+def memory_minimum(memory: dict[int, float]) -> tuple[int, str]:
+    """The GPU count where memory per GPU is lowest and the curve's shape: a U where the minimum lies
+    inside the counts (the paper's claim for Megatron-intra), else which way it runs."""
+    gpus = sorted(memory)
+    lowest = min(gpus, key=memory.__getitem__)
+    if gpus[0] < lowest < gpus[-1]:
+        return lowest, "a U"
+    return lowest, f"no U: {'rises' if lowest == gpus[0] else 'falls'} from {gpus[0]} to {gpus[-1]} GPUs"
+
+
 def quoted(values: list[str]) -> str:
     """How findings mark a predicted figure: a prediction of a model checked at smoke scale, not a measurement."""
     bounds = ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costmodel.BOUNDS.items())

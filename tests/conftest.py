@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+import tiers
+from host import need
+from references import References
 from mlflow_server import tracking_server  # noqa: F401 (a fixture: the PostgreSQL-backed MLflow server)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,6 +92,32 @@ def wait_for_event(
     raise TimeoutError(f"no {kind} event with {fields} under {runs} (exit code {process.poll()}, {timeout} s)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: an unmarked test must not vanish from every tier
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tiers.check_every_test_has_one_tier(items)
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture starts a daemon
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked programs(...) fails in one line naming the Debian packages missing here."""
+    for mark in item.iter_markers("programs"):
+        need(*mark.args)
+
+
+@pytest.fixture(autouse=True)
+def units_guard(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                monkeypatch: pytest.MonkeyPatch):
+    """A units test that starts a process group, or launches ranks, fails (tests/tiers.py)."""
+    if not request.node.get_closest_marker("units"):
+        yield
+        return
+    marks = tmp_path_factory.mktemp("guard") / "refused.txt"
+    tiers.guard_units(marks, monkeypatch)
+    yield
+    if refused := tiers.refused(marks):
+        pytest.fail(f"a units test started a process group or ranks; give it another tier:\n{refused}", pytrace=False)
+
+
 def rank_of(process, run_dir: Path) -> str | None:
     """The rank of the training loop that a process of a run is (None: not one): a torchrun worker's
     command line and environment say it; a warm rank, forked with its fork server's command line and
@@ -127,6 +156,12 @@ def framework_params(*names: str) -> list:
 def shared_repro(tmp_path_factory: pytest.TempPathFactory) -> Repro:
     """One scratch folder and MLflow store for all tests of a module (to share expensive runs)."""
     return Repro(tmp_path_factory.mktemp("repro"))
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> References:
+    """The session's store of reference runs (tests/references.py): each trained once, on first use."""
+    return References(tmp_path_factory.mktemp("references"))
 
 
 def mlflow_runs(uri: str, experiment: str = "repro") -> list:

@@ -35,13 +35,19 @@ def search_path() -> str:
     return os.environ.get("REPRO_TEST_PROGRAMS_PATH") or f"{PG_BIN}:{os.environ.get('PATH', '')}:/usr/sbin"
 
 
+def need(*names: str) -> None:
+    """Fails the test in one line naming the Debian packages to install when any program of `names` is missing."""
+    missing = [name for name in names if not shutil.which(name, path=search_path())]
+    if missing:
+        packages = " ".join(dict.fromkeys(package_of(name) for name in missing))
+        pytest.fail(f"needs {', '.join(missing)}: install Debian's {packages} "
+                    f"(`make test-deps`, or apt-get install {packages})", pytrace=False)
+
+
 def program(name: str) -> str:
     """Path of Debian program `name`; fails the test in one line naming its package when it is missing."""
-    found = shutil.which(name, path=search_path())
-    if not found:
-        pytest.fail(f"needs {name}: install Debian's {package_of(name)} "
-                    f"(`make test-deps`, or apt-get install {package_of(name)})", pytrace=False)
-    return found
+    need(name)
+    return shutil.which(name, path=search_path())
 
 
 def free_ports(count: int) -> list[int]:

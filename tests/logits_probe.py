@@ -3,7 +3,7 @@
 The loop records losses only; to compare frameworks logit for logit, this runs the same Trainer
 and saves the full-vocabulary logits of a fixed validation batch before and after training to
 RUN_DIR/logits.pt (reporting rank), and each rank's trained weights to RUN_DIR/state-RANK.pt.
-Launched by tests through torchrun.
+Started by tests in the ranks tier (tests/ranks.py), or by torchrun: `python tests/logits_probe.py RUN_DIR`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from repro.runfiles import RUN_FILE
 PROBE_SAMPLES = 4
 
 
-def main(run_dir: Path) -> None:
+def main(run_dir: str | Path) -> None:
+    run_dir = Path(run_dir)
     spec = json.loads((run_dir / RUN_FILE).read_text())
     recipe = resolve(spec["recipe"], spec["recipe"]["source"])
     trainer = Trainer(recipe, run_dir, Path(spec["data_dir"]))

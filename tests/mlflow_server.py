@@ -23,6 +23,7 @@ import pytest
 
 from host import free_port, program
 
+POSTGRESQL = ("initdb", "pg_ctl", "createdb")  # the server programs this fixture runs
 PG_USER = "postgres"  # initdb refuses to run as root
 START_TIMEOUT_S = 600  # minutes on a loaded machine: the server imports its whole app
 STOP_TIMEOUT_S = 20

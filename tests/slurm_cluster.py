@@ -18,6 +18,8 @@ from pathlib import Path
 
 from host import free_ports, program
 
+# Debian's programs the cluster and its clients run (slurm-wlm, munge)
+PROGRAMS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "scancel")
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4  # more than this host may have: each node runs a few CPU processes standing in for GPUs
 FAKE_GPUS_PER_NODE = 2

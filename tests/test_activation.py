@@ -8,6 +8,8 @@ from torch.nn import functional as F
 from repro.activation import Counter, PartitionCounters
 from repro.workloads.gpt2 import Block, GPT2Spec, build_gpt2
 
+pytestmark = pytest.mark.units
+
 SMOKE = GPT2Spec(n_layer=4, d_model=64, n_head=4, seq_len=64, tokenizer="bytes", dropout=0.0)  # configs/gpt2-smoke.yaml
 FLOAT, INT64 = 4, 8
 

@@ -11,6 +11,8 @@ from repro.run.executors import for_launch
 from repro.run.options import Launch
 from repro.recipe import load_file, recipe_path
 
+pytestmark = pytest.mark.units
+
 
 def test_default_command_is_torchrun_of_the_loop() -> None:
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.gpus=3", "run.device=cuda"])  # GPUs keep torchrun

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_gpu_check_dry_run_on_cpu_writes_its_report(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     done = subprocess.run(
@@ -32,6 +32,7 @@ def test_gpu_check_dry_run_on_cpu_writes_its_report(tmp_path: Path) -> None:
     assert "targets transformers" in vgg16["error"]
 
 
+@pytest.mark.units
 def test_mfu_comes_from_the_peak_table_only() -> None:
     from repro.hardware import mfu
 
@@ -40,6 +41,7 @@ def test_mfu_comes_from_the_peak_table_only() -> None:
     assert mfu("Some Future GPU", "bf16", 1e15) is None
 
 
+@pytest.mark.units
 def test_an_overhead_is_judged_only_where_its_interval_clears_the_goal() -> None:
     sys.path.insert(0, str(REPO / "bench"))
     from run import interval95, overhead_met, verdict
@@ -55,6 +57,7 @@ def test_an_overhead_is_judged_only_where_its_interval_clears_the_goal() -> None
     assert high - 0.01 == pytest.approx(2.09 * 0.0101980 / 26 ** 0.5, rel=1e-4)
 
 
+@pytest.mark.units
 def test_the_loops_own_time_is_judged_as_a_share_of_the_kits_step() -> None:
     sys.path.insert(0, str(REPO / "bench"))
     from run import harness_share
@@ -69,6 +72,7 @@ def test_the_loops_own_time_is_judged_as_a_share_of_the_kits_step() -> None:
     assert harness_share([{"kit": 0.035, "harness_us": 700.0}, {"kit": 0.035, "harness_us": 710.0}])["met"] is False
 
 
+@pytest.mark.units
 def test_the_paired_estimate_stands_in_microseconds_beside_the_loops_own_time() -> None:
     sys.path.insert(0, str(REPO / "bench"))
     from run import paired_summary
@@ -81,7 +85,7 @@ def test_the_paired_estimate_stands_in_microseconds_beside_the_loops_own_time() 
     assert (low, high) == pytest.approx((300 - 1271, 300 + 1271), abs=1)
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_the_paired_overhead_job_alternates_kit_and_baseline_blocks(tmp_path: Path) -> None:
     out = tmp_path / "paired.json"
     done = subprocess.run(

@@ -1,11 +1,14 @@
 """Checkpoint folders and the data position: the pieces that make a resume continue exactly."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from repro import checkpoint
 from repro.batches import GlobalBatches
 from repro.runfiles import Position, RunFolder
+
+pytestmark = pytest.mark.units
 
 
 def save(folder, value: float) -> None:

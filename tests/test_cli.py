@@ -4,7 +4,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
+
+pytestmark = pytest.mark.units
 
 
 def test_help_imports_no_torch() -> None:

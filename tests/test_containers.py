@@ -37,6 +37,7 @@ def pins() -> dict[str, str]:
     return dict(line.split("==") for line in lines if "==" in line and not line.startswith("#"))
 
 
+@pytest.mark.units
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
 def test_hadolint_passes(dockerfile: Path) -> None:
     out = subprocess.run(
@@ -46,6 +47,7 @@ def test_hadolint_passes(dockerfile: Path) -> None:
     assert (out.returncode, out.stdout + out.stderr) == (0, "")
 
 
+@pytest.mark.units
 def test_every_ignored_lint_rule_gives_its_reason() -> None:
     text = (REPO / ".hadolint.yaml").read_text()
     for rule in yaml.safe_load(text)["ignored"]:
@@ -68,6 +70,7 @@ def make_dry_run(*args: str) -> list[str]:
     return out.stdout.splitlines()
 
 
+@pytest.mark.units
 def test_image_installs_with_the_same_make_targets_as_ci() -> None:
     tool("make")
     makefile = (REPO / "Makefile").read_text()
@@ -83,6 +86,7 @@ def test_image_installs_with_the_same_make_targets_as_ci() -> None:
     assert "-r requirements.txt" in " ".join(ci_commands)
 
 
+@pytest.mark.units
 def test_image_labels_are_read_from_the_build_and_servers_match_the_pins() -> None:
     """Versions are labelled from what the image contains (docker/labels.py, run by `make image`;
     tests/test_image.py compares them with requirements.txt), never written as constants."""
@@ -102,6 +106,8 @@ def test_image_labels_are_read_from_the_build_and_servers_match_the_pins() -> No
     assert f"mlflow=={pinned['mlflow']}" in server and f'"psycopg[binary]=={pinned["psycopg[binary]"]}"' in server
 
 
+@pytest.mark.services
+@pytest.mark.programs("docker-compose")
 def test_compose_file_is_accepted_and_wires_the_services() -> None:
     out = subprocess.run(
         [program("docker-compose"), "-f", str(REPO / "docker-compose.yml"), "config"],
@@ -143,6 +149,7 @@ def render_definition(text: str, **overrides: str) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: values[m.group(1)], text)
 
 
+@pytest.mark.units
 @pytest.mark.parametrize("bootstrap, source", [
     (None, None), ("docker-archive", "repro.tar"), ("docker", "registry.example/repro:0.1.0"),
 ])
@@ -192,7 +199,7 @@ def mlflow_server(tmp_path: Path):
         server.wait(timeout=30)
 
 
-@pytest.mark.slow
+@pytest.mark.services
 def test_smoke_run_logs_to_a_tracking_server(repro, mlflow_server: str) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -216,6 +223,7 @@ def test_smoke_run_logs_to_a_tracking_server(repro, mlflow_server: str) -> None:
     assert json.loads(environment.read_text())["image"] == "repro:under-test"
 
 
+@pytest.mark.units
 def test_doctor_reports_the_image_it_runs_in(repro) -> None:
     repro.env.update(REPRO_IMAGE="repro:0123abcd", REPRO_GIT_SHA="0123abcd")
     result = repro("doctor", "--json")
@@ -223,6 +231,7 @@ def test_doctor_reports_the_image_it_runs_in(repro) -> None:
     assert json.loads(result.stdout)["image"] == "repro:0123abcd"
 
 
+@pytest.mark.units
 def test_make_targets_print_the_container_commands() -> None:
     tool("make")
     image = make_dry_run("image", "BASE_IMAGE=debian", "BASE_DIGEST=sha256:0123", "TAG=t", "WITH_LBANN=0",

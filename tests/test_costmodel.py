@@ -8,6 +8,7 @@ a different ZeRO bucket or tp degree moves both sides.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from repro.workloads.gpt2 import GPT2Spec, build_gpt2
 from repro.workloads.vgg16 import VGG16Spec, build_vgg16
 
 
+@pytest.mark.units
 @pytest.mark.parametrize("spec", [GPT2Spec(4, 64, 4, 64, "bytes", 0.0), GPT2Spec()], ids=["smoke", "medium"])
 def test_gpt2_shape_matches_the_built_module_tensor_for_tensor(spec):
     with torch.device("meta"):
@@ -42,6 +44,7 @@ def test_gpt2_shape_matches_the_built_module_tensor_for_tensor(spec):
         assert parameters(shape) == 354_823_168  # GPT-2-medium, published
 
 
+@pytest.mark.units
 @pytest.mark.parametrize("spec,classes", [(VGG16Spec(8, 128, 1, 32, 0.0), 10), (VGG16Spec(), 1000)], ids=["smoke", "paper"])
 def test_vgg16_shape_matches_the_built_module_layer_for_layer(spec, classes):
     with torch.device("meta"):
@@ -64,11 +67,13 @@ def layer_outputs(model: torch.nn.Sequential, inputs: torch.Tensor) -> list[int]
     return sizes
 
 
+@pytest.mark.units
 def test_the_cost_model_imports_no_torch():
     code = "import sys, repro.costmodel; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
+@pytest.mark.units
 def test_ring_wire_bytes():
     assert costmodel.wire_bytes("all_reduce", 1000, 4) == 1500
     assert costmodel.wire_bytes("all_gather", 250, 4) == 750
@@ -85,7 +90,7 @@ CELLS = {
     "zero1-2": ("zero", 2, ["zero.stage=1"]), "zero1-4": ("zero", 4, ["zero.stage=1"]),
     "zero3-1": ("zero", 1, ["zero.stage=3"]), "zero3-2": ("zero", 2, ["zero.stage=3"]),
     "zero3-4": ("zero", 4, ["zero.stage=3"]), "zero3-4-vgg16": ("zero", 4, ["zero.stage=3"], "vgg16"),
-    "megatron-tp2-2": ("megatron", 2, ["megatron.tp=2"]),
+    "megatron-1": ("megatron", 1, []), "megatron-tp2-2": ("megatron", 2, ["megatron.tp=2"]),
     "megatron-tp2-4": ("megatron", 4, ["megatron.tp=2"]), "megatron-tp4-4": ("megatron", 4, ["megatron.tp=4"]),
     "torchgpipe-1": ("torchgpipe", 1, []), "torchgpipe-2": ("torchgpipe", 2, []), "torchgpipe-4": ("torchgpipe", 4, []),
     # FSDP2: nothing sent at 1; the LAMB norms of sharded tensors; dim-0 padding (VGG-16's 10-class
@@ -133,7 +138,7 @@ def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
     return cache[name]
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("name", list(CELLS))
 def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name):
     prediction, measured, rows = check(shared_repro, checked, name)
@@ -141,21 +146,25 @@ def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name
     for row in rows:
         assert row["within"] in (True, None), row
     assert [row["within"] for row in rows if row["quantity"] != "activations"] == [True, True]
-    if CELLS[name][0] in ("ddp", "zero", "fsdp") or name in ("torch-pipeline-1", "torch-pipeline-2", "torch-pipeline-4",
+    if CELLS[name][0] in ("ddp", "zero", "fsdp", "megatron") or name in ("torch-pipeline-1", "torch-pipeline-2", "torch-pipeline-4",
                                                          "pipedream-2", "pipedream-4"):
-        assert rows[1]["within"] is True  # data parallelism: the whole model's; GPT-2's pipelines: a stage's in flight
+        # data parallelism: the whole model's; Megatron: a tp shard's at the tp group's batch; GPT-2's
+        # pipelines: a stage's in flight
+        assert rows[1]["within"] is True
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_a_bucket_size_and_a_tp_degree_move_both_sides(shared_repro, checked):
     zero, rebucketed = (check(shared_repro, checked, name) for name in ("zero-4", "zero-4-bucket"))
     assert zero[0].model_state != rebucketed[0].model_state and zero[1]["model_state"] != rebucketed[1]["model_state"]
     tp2, tp4 = (check(shared_repro, checked, name) for name in ("megatron-tp2-4", "megatron-tp4-4"))
     assert tp2[0].model_state != tp4[0].model_state and tp2[1]["model_state"] != tp4[1]["model_state"]
     assert tp2[0].comm_bytes != tp4[0].comm_bytes and tp2[1]["comm"] != tp4[1]["comm"]
+    assert tp2[0].activations != tp4[0].activations and tp2[1]["activations"] != tp4[1]["activations"]
 
 
 # -- refused before launch ----------------------------------------------------------------------------
+@pytest.mark.units
 def test_a_run_that_cannot_fit_is_refused_before_launch_even_dry(repro):
     out = repro("run", "gpt2", "--set", "model.n_layer=100000000", "--dry-run")
     assert out.returncode == 2
@@ -169,6 +178,7 @@ def test_a_run_that_cannot_fit_is_refused_before_launch_even_dry(repro):
     (VGG16Spec(8, 128, 1, 32, 0.5), 10, 4),  # dropout: a mask and a new output each (CPU: float masks)
     (VGG16Spec(16, 256, 7, 64, 0.5), 1000, 2),  # an average pool to 7x7 saves its input (a 1x1 one does not)
 ], ids=["smoke", "dropout", "pooled"])
+@pytest.mark.units
 def test_vgg16_activations_equal_the_counter(spec, classes, batch):
     from repro.activation import Counter
 
@@ -182,6 +192,7 @@ def test_vgg16_activations_equal_the_counter(spec, classes, batch):
     assert counter.peak_bytes == shape.activation_bytes(batch, 4, mask=4)
 
 
+@pytest.mark.units
 def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     out = subprocess.run([sys.executable, "-X", "importtime", "-m", "repro.cli", "predict", "--gpu-memory", "V100=16GiB"],
                          cwd=REPO, capture_output=True, text=True, check=True)
@@ -194,8 +205,14 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     medium = costmodel.predict(costmodel.Cell(GPT2Shape(24, 1024, 16, 1024, 50257, 0.1), "ddp", 64, 32, "lamb", "bf16"))
     assert ddp64[2:5] == [f"{medium.model_state / 2**30:.2f}", f"{medium.activations / 2**30:.2f}",
                           f"{medium.estimated_peak / 2**30:.2f}"] and ddp64[-1] == "none"  # 38 GiB: no V100 holds it
+    from repro.predictions import memory_minimum, predict_row
+
+    intra = {g: predict_row("gpt2", "megatron-intra", g) for g in (1, 2, 4, 8, 16, 32, 64)}
+    lowest, shape = memory_minimum({g: p.estimated_peak for g, p in intra.items() if p})
+    assert f"megatron-intra's peak per GPU is lowest at {lowest} GPU{'s' if lowest > 1 else ''} ({shape})" in map(str.strip, lines)
 
 
+@pytest.mark.units
 def test_the_model_gives_the_counted_model_state_of_docs_and_the_issue():
     """Counted before the model existed: docs/memory.md's GPT-2 smoke table (Adam, 4 ranks, bucket 20,000) and
     issue 29's bytes per parameter (ZeRO-2 on VGG-16 smoke: 12.83 at 2 ranks, 9.12 at 4; DDP with LAMB 20.0)."""
@@ -210,6 +227,7 @@ def test_the_model_gives_the_counted_model_state_of_docs_and_the_issue():
     assert [round(x, 2) for x in per_param] == [12.83, 9.12]
 
 
+@pytest.mark.units
 def test_the_pipelines_memory_plateau_is_quoted_as_the_models_prediction():
     from repro.predictions import predict_row
     from repro.report.evidence import Results
@@ -223,3 +241,46 @@ def test_the_pipelines_memory_plateau_is_quoted_as_the_models_prediction():
     peaks = [predict_row("gpt2", "pipedream", g).estimated_peak for g in (1, 2, 4)]
     assert peaks[0] / peaks[1] > 1.3 > peaks[1] / peaks[2]  # the model's own figures: a fall, then a flat step
     assert "plateaus from 4 GPUs" in pipedream and f"2 GPUs {peaks[1] / 2**20:.2f} MiB" in pipedream
+
+
+@pytest.mark.units
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_megatrons_layer_is_korthikantis_in_16_bit_with_dropout_plus_what_the_local_spec_adds(tp):
+    """Korthikanti et al. 2022: s b h (10 + 24 / tp + 5 a s / (h tp)) bytes per layer in 16-bit with dropout
+    (1-byte masks: CUDA). The local spec adds the fp32 softmax output (2 a s^2 b / tp bytes more than the
+    paper's 16-bit one) and the layer norms' fp32 statistics (16 s b); docs/memory.md, "Megatron"."""
+    s, h, a, b = 128, 64, 4, 2 * tp  # b: the tp group's sequences, 2 per GPU
+
+    def layers(n: int) -> int:
+        cell = costmodel.Cell(GPT2Shape(n, h, a, s, 256, 0.1), "megatron", tp, 2, precision="bf16", options={"tp": tp})
+        return costmodel.megatron_activations(cell, tp)
+
+    layer = layers(2) - layers(1)
+    assert layer == s * b * h * (10 + 24 // tp) + 5 * a * s * s * b // tp + 2 * a * s * s * b // tp + 16 * s * b
+
+
+@pytest.mark.units
+def test_megatron_activations_are_the_local_specs_only(monkeypatch):
+    """On GPUs the adapter uses Transformer Engine's layers where installed (repro.adapters.megatron.layer_spec_name):
+    no activation prediction there; the CPU always runs the local spec."""
+    cell = costmodel.Cell(GPT2Shape(4, 64, 4, 64, 256, 0.0), "megatron", 2, 8, options={"tp": 2})
+    assert costmodel.predict(cell).activations == costmodel.megatron_activations(cell, 2)
+    monkeypatch.setattr(costmodel.importlib.util, "find_spec", lambda name: object() if name == "transformer_engine" else None)
+    assert costmodel.predict(cell).activations is None
+    assert costmodel.predict(dataclasses.replace(cell, device="cpu")).activations == costmodel.megatron_activations(cell, 2)
+
+
+@pytest.mark.units
+def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
+    from repro.predictions import predict_row
+    from repro.report.evidence import Results
+    from repro.report.model_check import paper_predictor
+    from repro.report.predicted import megatron_memory_predicted
+
+    res = Results([], 2, predict=paper_predictor([]))
+    res.workloads = ["gpt2", "vgg16"]
+    gpt2, vgg16 = megatron_memory_predicted(res, {"row": "megatron-intra"})
+    peaks = {g: predict_row("gpt2", "megatron-intra", g).estimated_peak for g in (1, 2, 16)}
+    assert peaks[1] < peaks[2] < peaks[16]  # the tp group's batch grows with tp; the split terms do not shrink per rank
+    assert "lowest at 1 GPU (no U: rises from 1 to 16 GPUs" in gpt2 and f"16 GPUs {peaks[16] / 2**20:.2f} MiB" in gpt2
+    assert "predicted by the cost model" in gpt2 and "not modelled for this workload" in vgg16

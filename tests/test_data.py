@@ -13,6 +13,8 @@ from conftest import REPO
 from repro.data import RACY_NS, DataError, HashCache, read_manifest, verify_tree
 from repro.data.sets import DATASETS, make_digits
 
+pytestmark = pytest.mark.units
+
 
 def test_digits_regenerate_to_the_shipped_manifest(tmp_path: Path) -> None:
     make_digits(tmp_path)

@@ -34,7 +34,7 @@ def assert_nothing_left(processes: list[psutil.Process]) -> None:
     assert not alive, [p.cmdline() for p in alive]
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_a_rank_killed_mid_epoch_fails_the_run_within_60_s(repro):
     job = repro.start(*RUN)
     processes = interrupt_mid_second_epoch(repro, job)
@@ -55,7 +55,7 @@ def test_a_rank_killed_mid_epoch_fails_the_run_within_60_s(repro):
     assert state["model"] and all(torch.isfinite(t).all() for t in state["model"].values())
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("signum, ranks_got", [(signal.SIGINT, "SIGTERM"), (signal.SIGUSR1, "SIGUSR1")])
 def test_a_stop_signal_saves_mid_epoch_and_ends_the_run_killed(repro, signum, ranks_got):
     """Ctrl-C (forwarded to torchrun as SIGTERM) and SIGUSR1 (SLURM's warning before the time limit, or
@@ -76,6 +76,7 @@ def test_a_stop_signal_saves_mid_epoch_and_ends_the_run_killed(repro, signum, ra
     assert pointer["position"]["step"] == interrupted["step"]
 
 
+@pytest.mark.units
 def test_the_follower_wakes_when_the_launcher_exits_and_kills_what_it_left(tmp_path):
     """The follower waits on the launcher's exit, not on a poll interval: a 30 s wait ends when the
     launcher does. torchrun starts its workers in sessions of their own: one that outlives the launcher

@@ -10,6 +10,8 @@ import pytest
 
 from host import package_of
 
+pytestmark = pytest.mark.units
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -22,17 +24,33 @@ def test_every_program_the_fixtures_start_is_listed_with_its_package() -> None:
         package_of("no-such-program")
 
 
-def test_a_slurm_test_without_slurm_fails_in_one_line_naming_the_package(tmp_path: Path) -> None:
-    """As on a machine without slurm-wlm: the cluster fixture finds none of Debian's programs."""
-    env = {**os.environ, "REPRO_TEST_PROGRAMS_PATH": str(tmp_path)}
+# Each service test module, and the Debian packages that a machine with none of its programs must install
+SERVICES = {
+    "test_slurm_cluster.py": "slurm-wlm munge",
+    "test_tracking_server.py": "postgresql",
+    "test_tracking_ui.py": "postgresql chromium",
+    "test_image.py": "docker.io docker-registry mmdebstrap docker-compose binutils",
+    "test_containers.py::test_compose_file_is_accepted_and_wires_the_services": "docker-compose",
+}
+
+
+def test_a_service_test_without_its_programs_fails_in_one_line_naming_the_packages(tmp_path: Path) -> None:
+    """As on a machine without slurm-wlm, postgresql, chromium or docker.io: every service test fails
+    before it starts anything, in one line that names what to install; none is skipped."""
+    env = {**os.environ, "REPRO_TEST_PROGRAMS_PATH": str(tmp_path), "COLUMNS": "1000"}  # no cut summary lines
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(TESTS.parent),
-         str(TESTS / "test_slurm_cluster.py"), "-k", "test_a_two_node_job_finishes_recorded_once"],
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--rootdir", str(TESTS.parent),
+         "-m", "services", *(str(TESTS / m) for m in SERVICES)],
         capture_output=True, text=True, env=env, cwd=TESTS.parent, timeout=300,
     )
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
-    wanted = "needs slurmctld: install Debian's slurm-wlm (`make test-deps`, or apt-get install slurm-wlm)"
-    lines = [line for line in out.stdout.splitlines() if wanted in line]
-    assert lines, out.stdout
-    assert "1 error" in out.stdout.splitlines()[-1]
+    results = [line for line in out.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))]
+    for module, packages in SERVICES.items():
+        mine = [line for line in results if f"tests/{module.partition('::')[0]}::" in line]
+        assert mine, (module, out.stdout[-3000:])
+        for line in mine:
+            assert line.startswith("ERROR") and line.endswith(
+                f"install Debian's {packages} (`make test-deps`, or apt-get install {packages})"), line
+    summary = out.stdout.splitlines()[-1]
+    assert f"{len(results)} error" in summary and "skipped" not in summary and "passed" not in summary, summary

@@ -31,8 +31,10 @@ COMPOSE_TAG = "compose-test"  # the compose file runs repro:${REPRO_TAG}
 # The ops that build without nvcc, for DeepSpeed's cpu accelerator: cpu_adam (ZeRO's CPU optimizer)
 # and shm_comm (its collectives on one node): the runtime has no compiler to build either at run time.
 DEEPSPEED_OPS = ["cpu_adam", "shm_comm", "utils"]
+# Debian's programs this module runs (the client at DOCKER is docker.io's docker)
+PROGRAMS = ("dockerd", "docker", "docker-registry", "mmdebstrap", "docker-compose", "objdump")
+pytestmark = [pytest.mark.services, pytest.mark.programs(*PROGRAMS)]
 STEPS = 2
-pytestmark = pytest.mark.slow
 
 
 def listening(port: int) -> bool:

@@ -9,6 +9,8 @@ import pytest
 
 from repro import launch
 
+pytestmark = pytest.mark.units
+
 GOLDEN = Path(__file__).parent / "golden"
 JOB = launch.SlurmJob(
     name="gpt2-zero-8g-paper-s1234", nodes=2, gpus_per_node=4, processes_per_node=4,

@@ -22,6 +22,8 @@ from repro.runfiles import EVENTS_FILE
 from repro.schema import RecipeError
 from repro.workloads.vgg16 import VGG16Spec, build_vgg16
 
+pytestmark = pytest.mark.units
+
 GOLDEN = Path(__file__).parent / "golden"
 PAPER_FP32 = ["run.framework=lbann", "train.precision=fp32"]
 

@@ -24,6 +24,8 @@ from repro.adapters import lbann as translation
 from repro.adapters.lbann_driver import export_prototext
 from repro.recipe import load_file, recipe_path
 
+pytestmark = pytest.mark.units
+
 REPO = Path(__file__).resolve().parent.parent
 VENDOR = Path(os.environ.get("REPRO_LBANN_VENDOR", REPO.parent / "shared" / "vendor" / "lbann-0.104"))
 LBANN_PYTHON = REPO / ".venv-lbann" / "bin" / "python"

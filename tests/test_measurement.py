@@ -66,6 +66,7 @@ def observe_loop_syncs(trainer: loop.Trainer, monkeypatch: pytest.MonkeyPatch) -
     return seen
 
 
+@pytest.mark.ranks
 def test_the_loop_synchronises_once_per_window_and_reads_the_stop_vote_every_few_steps(trainer, monkeypatch):
     seen = observe_loop_syncs(trainer, monkeypatch)
     assert trainer.run() == 0
@@ -81,6 +82,7 @@ def test_the_loop_synchronises_once_per_window_and_reads_the_stop_vote_every_few
     assert trainer.host_syncs["epoch/loss"] == 1  # the partial window (steps 33-40), after the epoch timer
 
 
+@pytest.mark.ranks
 def test_a_stop_lands_a_step_after_the_next_vote(trainer, monkeypatch):
     train_step = trainer.adapter.train_step
 
@@ -98,6 +100,7 @@ def test_a_stop_lands_a_step_after_the_next_vote(trainer, monkeypatch):
     assert [e["step"] for e in written if e["event"] == events.STEP] == list(range(1, 12))
 
 
+@pytest.mark.ranks
 def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distribution(trainer, monkeypatch):
     counter, comm = trainer.adapter.activations, trainer.adapter.communication
     opened, counted = [], []
@@ -133,6 +136,7 @@ def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distributio
     assert (metrics[names.HARNESS_TIME], metrics[names.COUNTERS_TIME]) == (loop_us["harness"], loop_us["counters"])
 
 
+@pytest.mark.ranks
 def test_the_counters_time_is_kept_apart_from_the_loops_own(trainer, monkeypatch):
     """A counting context that takes 50 ms to open shows in `counters` (6 of 40 steps: 7.5 ms a step on
     average), not in `harness`."""
@@ -152,6 +156,7 @@ def test_the_counters_time_is_kept_apart_from_the_loops_own(trainer, monkeypatch
     assert epoch["loop_us"]["harness"] < counted * 50_000 / STEPS / 2
 
 
+@pytest.mark.ranks
 def test_in_process_batches_are_the_data_loaders(trainer):
     """The loop fetches batches without a DataLoader when it has no workers: the same tensors, bit for
     bit, whether a window's batches come in a row through the dataset's own collation (the smoke GPT-2's
@@ -167,6 +172,7 @@ def test_in_process_batches_are_the_data_loaders(trainer):
         assert all(a.untyped_storage().nbytes() == c.untyped_storage().nbytes() for (a, _), (c, _) in zip(ours, theirs))
 
 
+@pytest.mark.units
 def test_a_stopwatch_sums_its_stretches_per_step():
     watch = Stopwatch()
     for _ in range(3):
@@ -177,6 +183,7 @@ def test_a_stopwatch_sums_its_stretches_per_step():
     assert watch.mean_us(0) is None
 
 
+@pytest.mark.units
 def test_step_time_summary_gives_median_deciles_and_count():
     summary = step_time_summary([float(i) for i in range(1, 12)])  # 1..11 s
     assert summary == {"median": 6.0, "p10": 2.0, "p90": 10.0, "mean": 6.0, "count": 11}
@@ -186,6 +193,7 @@ def test_step_time_summary_gives_median_deciles_and_count():
 
 # -- repeats ------------------------------------------------------------------------------------------
 
+@pytest.mark.units
 def test_repeats_run_with_their_own_seeds_and_the_first_keeps_the_recipe_fingerprint():
     from repro import table2
 
@@ -199,6 +207,7 @@ def test_repeats_run_with_their_own_seeds_and_the_first_keeps_the_recipe_fingerp
     assert (first.label, third.label) == ("gpt2 ddp 1g", "gpt2 ddp 1g #3")
 
 
+@pytest.mark.units
 def test_median_interval_is_the_sign_test_interval_with_its_coverage():
     from repro.report.collect import median_interval
 
@@ -207,6 +216,7 @@ def test_median_interval_is_the_sign_test_interval_with_its_coverage():
     assert (low, high) == (1.0, 8.0) and coverage == pytest.approx(1 - 2 * 11 / 1024)
 
 
+@pytest.mark.units
 def test_repeats_fold_into_one_result_and_times_compare_only_when_intervals_separate():
     from repro import table2
     from repro.report.collect import Result, fold_repeats, not_separable
@@ -223,6 +233,7 @@ def test_repeats_fold_into_one_result_and_times_compare_only_when_intervals_sepa
     assert ddp.separated_from(zero) and not_separable(ddp, zero) is None
 
 
+@pytest.mark.units
 def test_time_clauses_of_memory_findings_wait_for_separable_repeats():
     """ZeRO's "no loss in performance" compares epoch times: with overlapping intervals it is not
     judged, and the verdict rests on the memory clause alone."""

@@ -9,26 +9,22 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import logits_probe
+import ranks
 from conftest import REPO, Repro, Result
 from repro import tracking
 from repro.adapters import megatron_cpu
 from repro.adapters.megatron import MegatronAdapter
 from repro.adapters.megatron_model import qkv_by_head
-from repro.runfiles import RUN_FILE
 from repro.recipe import load_file, recipe_path
-from repro.run.preflight import verify_data
 from repro.schema import RecipeError
 from repro.workloads.gpt2 import build_gpt2
 
-PROBE = Path(__file__).with_name("logits_probe.py")
 STEPS = 5
 TOLERANCE = 1e-5  # fp32
 
@@ -64,6 +60,7 @@ def source_digest(item: str) -> str:
     return hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
 
 
+@pytest.mark.units
 def test_pin_guard_megatron_core_internals_unchanged():
     assert importlib.metadata.version("megatron-core") == MEGATRON_CORE
     assert set(PINNED_SOURCE) == set(megatron_cpu.PINNED)
@@ -85,6 +82,7 @@ def cpu_adaptations(monkeypatch):
     return parallel_state, mcore_random
 
 
+@pytest.mark.units
 def test_pin_guard_megatron_core_reads_the_cpu_buffer_and_tracker(cpu_adaptations):
     parallel_state, mcore_random = cpu_adaptations
     buffer = parallel_state.get_global_memory_buffer()
@@ -95,6 +93,7 @@ def test_pin_guard_megatron_core_reads_the_cpu_buffer_and_tracker(cpu_adaptation
     assert isinstance(mcore_random.get_cuda_rng_tracker(), megatron_cpu.CpuRngTracker)
 
 
+@pytest.mark.units
 def test_cpu_tracker_keeps_its_own_stream(cpu_adaptations):
     """Dropout inside fork() draws from the named stream, continues it on the next fork, and leaves
     the default generator where it was: the attention dropout of a tp rank, as on CUDA."""
@@ -115,6 +114,7 @@ def test_cpu_tracker_keeps_its_own_stream(cpu_adaptations):
         tracker.add("model-parallel-rng", 99)
 
 
+@pytest.mark.units
 def test_causal_mask_is_megatron_cores():
     """The explicit mask equals what transformer/utils.py would build on CUDA (read from its source)."""
     mask = megatron_cpu.causal_mask(5)
@@ -124,6 +124,7 @@ def test_causal_mask_is_megatron_cores():
         importlib.import_module("megatron.core.transformer.utils").get_default_causal_mask)
 
 
+@pytest.mark.units
 def test_qkv_rows_regrouped_head_by_head():
     heads, width = 2, 3  # 2 heads of 3 units: q rows 0-5, k rows 6-11, v rows 12-17
     rows = qkv_by_head(torch.arange(3 * heads * width).float().unsqueeze(1), heads).squeeze(1).tolist()
@@ -133,22 +134,26 @@ def test_qkv_rows_regrouped_head_by_head():
 # -- recipe checks, no processes ------------------------------------------------------------------
 
 
+@pytest.mark.units
 def test_world_must_be_tp_times_dp():
     with pytest.raises(RecipeError, match=r"megatron\.tp: gpus \(6\) must be tp \(4\) x dp: 6 % 4 = 2"):
         smoke("run.gpus=6", "megatron.tp=4")
 
 
+@pytest.mark.units
 def test_lamb_is_not_a_megatron_optimizer():
     with pytest.raises(RecipeError, match="megatron.optimizer: megatron-core's optimizers are adam, adamw, sgd, not lamb"):
         smoke("megatron.optimizer.name=lamb")
 
 
+@pytest.mark.units
 def test_variant_names_the_table_row():
     assert MegatronAdapter.variant(smoke("run.gpus=4", "megatron.tp=1")) == "megatron-data"
     assert MegatronAdapter.variant(smoke("run.gpus=4", "megatron.tp=4")) == "megatron-intra"
     assert MegatronAdapter.variant(smoke("run.gpus=4", "megatron.tp=2")) == "megatron-hybrid"
 
 
+@pytest.mark.units
 def test_vgg16_fails_at_once_in_one_line(repro):
     result = repro("run", "vgg16", "--framework", "megatron", "--gpus", "2")
     assert result.returncode == 2
@@ -161,19 +166,12 @@ def test_vgg16_fails_at_once_in_one_line(repro):
 
 
 def probe(folder: Path, framework: str, gpus: int, *overrides: str) -> dict:
-    """Train STEPS steps through tests/logits_probe.py; its losses, memory and logits."""
+    """Train STEPS steps through tests/logits_probe.py in the ranks tier; its losses, memory and logits."""
     recipe = load_file(recipe_path("gpt2", "smoke"), [
         f"run.framework={framework}", f"run.gpus={gpus}", f"train.max_steps={STEPS}", *overrides,
     ])
-    data_dir = verify_data(recipe).root
-    run_dir = folder / f"{framework}-{gpus}g-{'-'.join(overrides)}"
-    run_dir.mkdir()
-    (run_dir / RUN_FILE).write_text(json.dumps({"recipe": recipe.to_dict(), "data_dir": str(data_dir)}))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
-               str(PROBE), str(run_dir)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = ranks.write_run_file(recipe, folder / f"{framework}-{gpus}g-{'-'.join(overrides)}")
+    ranks.start_ranks(gpus, logits_probe.main, run_dir)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     return {
         "losses": [e["loss"] for e in events if e["event"] == "step"],
@@ -198,7 +196,7 @@ def same_weights(tmp_path_factory) -> dict[str, dict]:
     }
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("run", ["tp1", "tp2"])
 def test_same_logits_and_losses_as_plain_gpt2(same_weights, run):
     plain, megatron = same_weights["plain"], same_weights[run]
@@ -212,7 +210,7 @@ def test_same_logits_and_losses_as_plain_gpt2(same_weights, run):
     assert (plain["after"] - plain["before"]).abs().max() > 100 * TOLERANCE  # training moved the logits
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_tp_peers_keep_replicated_weights_equal_under_dropout(same_weights):
     """Dropout on replicated activations must draw the same mask on every tp peer, or the replicas drift."""
     states = same_weights["tp4"]["states"]
@@ -226,7 +224,7 @@ def test_tp_peers_keep_replicated_weights_equal_under_dropout(same_weights):
         assert not torch.equal(states[0][key], states[1][key])
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_tp2_matches_tp1(same_weights):
     assert same_weights["tp2"]["losses"] == pytest.approx(same_weights["tp1"]["losses"], abs=TOLERANCE, rel=0)
     assert (same_weights["tp2"]["after"] - same_weights["tp1"]["after"]).abs().max() < TOLERANCE
@@ -270,14 +268,14 @@ def cli_runs(tmp_path_factory) -> dict[str, CliRun]:
     return runs
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_issue_command_finishes(cli_runs):
     run = cli_runs["tp2"]
     assert run.result.returncode == 0 and run.mlflow.info.status == "FINISHED"
     assert len(run.losses()) == STEPS
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_hybrid_trains_and_lands_in_mlflow(cli_runs):
     hybrid = cli_runs["hybrid"]
     run = hybrid.mlflow
@@ -296,7 +294,7 @@ def test_hybrid_trains_and_lands_in_mlflow(cli_runs):
     assert {f"memory/rank{r}/model_state_bytes" for r in range(4)} <= set(run.data.metrics)
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_parameter_share_per_rank_falls_as_tp_grows(cli_runs, same_weights):
     plain_bytes = sum(p.numel() * 4 for p in build_gpt2(smoke().model).parameters())
     parameters = {tp: same_weights[f"tp{tp}"]["ranks"] for tp in (1, 2, 4)}
@@ -313,6 +311,7 @@ def test_parameter_share_per_rank_falls_as_tp_grows(cli_runs, same_weights):
     assert share[1] > share[2] > share[4] > plain_bytes / 4  # layer norms and biases stay replicated
 
 
+@pytest.mark.units
 def test_doctor_lists_the_gpu_path_until_a_result_is_committed(tmp_path, monkeypatch):
     from repro import doctor
 
@@ -323,6 +322,7 @@ def test_doctor_lists_the_gpu_path_until_a_result_is_committed(tmp_path, monkeyp
     assert doctor.gpu_paths()["megatron"] == "measured: gpu_check-megatron-H100-2026-12-03.json"
 
 
+@pytest.mark.units
 def test_gpu_check_judges_megatron_against_the_plain_loss_with_parity_bands():
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)

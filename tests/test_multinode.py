@@ -11,7 +11,7 @@ from host import free_port
 SETS = ("--max-steps", "6", "--set", "data.max_train_samples=256", "--set", "data.max_val_samples=32")
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("framework", framework_params("ddp", "zero"))
 def test_two_nodes_train_like_one_and_land_once_in_mlflow(repro, framework):
     shape = ("run", "gpt2", "--framework", framework, "--gpus", "2", *SETS)
@@ -34,6 +34,7 @@ def test_two_nodes_train_like_one_and_land_once_in_mlflow(repro, framework):
     assert len(launchers) == 2
 
 
+@pytest.mark.units
 def test_several_nodes_without_slurm_need_an_endpoint_and_a_shared_folder(repro):
     out = repro("run", "gpt2", "--gpus", "2", "--nodes", "2", "--dry-run")
     assert out.returncode == 2

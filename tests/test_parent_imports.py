@@ -14,6 +14,8 @@ import pytest
 from repro import events, tracking
 from repro.runfiles import Outcome, RunFolder, Spec
 
+pytestmark = pytest.mark.units
+
 FRAMEWORKS = ("torch", "deepspeed", "megatron", "torchvision")
 
 

@@ -35,6 +35,7 @@ if "LOCAL_RANK" in os.environ or "REPRO_WARM_PRELOAD" in os.environ:
 '''
 
 
+@pytest.mark.units
 def test_every_configuration_gets_the_same_global_batch_and_optimizer():
     recipes = {name: recipe_for(Config(name, fw, gpus, sets), "gpt2", "smoke", 4, [])
                for name, fw, gpus, sets in [("ddp-4", "ddp", 4, ()), ("gpipe", "torchgpipe", 2, ()),
@@ -44,6 +45,7 @@ def test_every_configuration_gets_the_same_global_batch_and_optimizer():
     assert all(r.data.max_train_samples == 4 * GLOBAL_BATCH for r in recipes.values())
 
 
+@pytest.mark.units
 def test_a_difference_above_the_tolerance_fails_and_staleness_is_measured_not_judged():
     recipe = recipe_for(Config("ddp-2", "ddp", 2), "gpt2", "smoke", 3, [])
     reference = [5.5, 5.4, 5.3]
@@ -56,6 +58,7 @@ def test_a_difference_above_the_tolerance_fails_and_staleness_is_measured_not_ju
     assert Row("x", "ddp", 2, "pass").max_abs_diff is None
 
 
+@pytest.mark.end_to_end
 def test_parity_fails_when_gradients_are_not_averaged(repro, tmp_path: Path):
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(BREAK)
@@ -71,6 +74,7 @@ def test_parity_fails_when_gradients_are_not_averaged(repro, tmp_path: Path):
     assert "| ddp-2 | ddp | 2 |" in (tmp_path / "reports" / "parity.md").read_text()
 
 
+@pytest.mark.units
 def test_vgg16_parity_has_its_own_reduced_model_and_no_megatron():
     from repro.parity import WORKLOAD_CONFIGS
 
@@ -81,6 +85,7 @@ def test_vgg16_parity_has_its_own_reduced_model_and_no_megatron():
     assert not any(name.startswith("megatron") for name in WORKLOAD_CONFIGS["vgg16"])
 
 
+@pytest.mark.units
 def test_parting_tells_rounding_growth_from_the_frameworks():
     from repro.parity import parting
 

@@ -1,7 +1,8 @@
 """Pipeline frameworks: torchgpipe equals plain training; PipeDream's schedule, stashing and staleness.
 
 The in-process tests drive the adapters directly on a tiny GPT-2 (4 layers: embedding, two blocks,
-tied head) with synthetic tokens; the slow tests run the real CLI on the smoke recipes.
+tied head) with synthetic tokens (units), stages in forked gloo ranks (ranks); the end-to-end tests run
+the real CLI on the smoke recipes.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.func import functional_call
 
 from repro import names, registry, seeding, tracking
@@ -22,7 +22,7 @@ from repro.adapters.base import RunContext
 from repro.optim import make_optimizer
 from repro.recipe import load_file, recipe_path
 from repro.schema import RecipeError
-from host import free_port
+from ranks import start_ranks
 
 TINY_GPT2 = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.seq_len=16", "train.batch_per_gpu=2"]
 STEPS = 5
@@ -80,12 +80,14 @@ def plain_losses(recipe, batches) -> list[float]:
 
 # -- shared helpers ------------------------------------------------------------------------------
 
+@pytest.mark.units
 def test_balance_costs_minimises_the_slowest_partition():
     assert pipeline.balance_costs([1, 1, 1, 1], 2) == [2, 2]
     assert pipeline.balance_costs([5, 1, 1, 1, 1, 1], 2) == [1, 5]
     assert pipeline.balance_costs([1, 2, 3, 4, 5], 3) == [3, 1, 1]
 
 
+@pytest.mark.units
 def test_untie_copies_a_parameter_shared_across_groups_only():
     recipe = tiny_recipe("ddp", 1)
     model = registry.workload_class("gpt2")(recipe.model, recipe.data, None).build_model()
@@ -99,6 +101,7 @@ def test_untie_copies_a_parameter_shared_across_groups_only():
 
 # -- torchgpipe ----------------------------------------------------------------------------------
 
+@pytest.mark.units
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 @pytest.mark.parametrize("balance", [[2, 2], [1, 1, 1, 1]])
 def test_gpipe_equals_plain_training(balance, checkpoint):
@@ -115,12 +118,13 @@ def test_gpipe_equals_plain_training(balance, checkpoint):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.units
 def test_gpipe_refuses_several_nodes():
     with pytest.raises(RecipeError, match="torchgpipe drives the GPUs of one node only"):
         tiny_recipe("torchgpipe", 4, "run.nodes=2")
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_gpipe_vgg16_smoke_runs_on_cpu(repro):
     result = repro(
         "run", "vgg16", "--framework", "torchgpipe", "--gpus", "4", "--scale", "smoke", "--max-steps", "2",
@@ -139,6 +143,7 @@ VALIDATION = token_batches(3, count=2)  # a batch size the training never used
 PLAIN_SGD = "train.optimizer={name: sgd, lr: 0.5, momentum: 0.0, weight_decay: 0.0}"
 
 
+@pytest.mark.units
 def test_pipedream_one_stage_equals_plain_sgd():
     recipe = tiny_recipe("pipedream", 1, PLAIN_SGD, "pipedream.balance=[4]")
     adapter, _ = build(recipe)
@@ -155,11 +160,11 @@ def loss_value(loss: torch.Tensor | None) -> float | None:
     return None if loss is None else float(loss)
 
 
-def stage_worker(rank: int, world: int, port: int, overrides: list[str], out: Path) -> None:
-    """One stage: train STEPS mini-batches, drain and validate, then save what it saw."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def stage_worker(overrides: list[str], out: Path) -> None:
+    """One stage (a rank started by tests/ranks.py): train STEPS mini-batches, drain and validate, then save what it saw."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     try:
         recipe = tiny_recipe("pipedream", world, *overrides)
         adapter, _ = build(recipe, rank, world)
@@ -179,7 +184,7 @@ def stage_worker(rank: int, world: int, port: int, overrides: list[str], out: Pa
 def run_stages(tmp_path: Path, balance: list[int], vertical_sync: bool) -> list[dict]:
     overrides = [PLAIN_SGD, f"pipedream.balance={balance}", f"pipedream.vertical_sync={vertical_sync}"]
     world = len(balance)
-    mp.start_processes(stage_worker, (world, free_port(), overrides, tmp_path), nprocs=world, start_method="fork")
+    start_ranks(world, stage_worker, overrides, tmp_path)
     return [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
 
 
@@ -211,7 +216,7 @@ def reference_pipedream(balance: list[int], vertical_sync: bool) -> tuple[list[f
     return losses, [h[-1] for h in history], sums
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("balance", [[2, 2], [1, 1, 1, 1]])
 @pytest.mark.parametrize("vertical_sync", [False, True])
 def test_pipedream_stages_match_stashed_stale_arithmetic(tmp_path, balance, vertical_sync):
@@ -238,15 +243,13 @@ def test_pipedream_stages_match_stashed_stale_arithmetic(tmp_path, balance, vert
         torch.testing.assert_close(stage["val_sums"], expected_sums, atol=1e-4, rtol=0)
 
 
-def resumable_stage_worker(
-    rank: int, world: int, port: int, overrides: list[str], out: Path, first: int, stop: int,
-) -> None:
+def resumable_stage_worker(overrides: list[str], out: Path, first: int, stop: int) -> None:
     """One stage trains mini-batches [first, stop) of STEPS, as one process of a run that may be stopped and
     resumed: it restores out/checkpoint when first > 0, and saves there when it stops before the end (with the
     generator state, as the loop does); otherwise it drains. Then it saves what it saw."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     folder, random_file = out / "checkpoint", out / "checkpoint" / f"random-{rank}.pt"
     try:
         adapter, _ = build(tiny_recipe("pipedream", world, *overrides), rank, world)
@@ -267,7 +270,7 @@ def resumable_stage_worker(
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("vertical_sync", [False, True])
 def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, vertical_sync):
     """Stopped twice between steps with mini-batches in flight and gradients in transit (at 2 the pipeline
@@ -278,8 +281,7 @@ def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, vertical_s
     (tmp_path / "checkpoint").mkdir()
 
     def run(first: int, last: int) -> list[dict]:
-        args = (4, free_port(), overrides, tmp_path, first, last)
-        mp.start_processes(resumable_stage_worker, args, nprocs=4, start_method="fork")
+        start_ranks(4, resumable_stage_worker, overrides, tmp_path, first, last)
         return [torch.load(tmp_path / f"{first}-{last}-{rank}.pt") for rank in range(4)]
 
     def saved_in_flight() -> list[list[dict]]:
@@ -302,7 +304,7 @@ def test_pipedream_stopped_mid_pipeline_resumes_bit_for_bit(tmp_path, vertical_s
         assert all(torch.equal(resumed["weights"][n], w) for n, w in left_alone["weights"].items())
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_pipedream_gpt2_smoke_runs_on_cpu_and_reports_the_last_stage(repro):
     result = repro(
         "run", "gpt2", "--framework", "pipedream", "--gpus", "4", "--scale", "smoke", "--max-steps", "6", *SMALL_VALIDATION

@@ -9,6 +9,8 @@ import yaml
 from repro.recipe import load_file, recipe_path
 from repro.schema import RecipeError
 
+pytestmark = pytest.mark.units
+
 
 def write(tmp_path: Path, change) -> Path:
     raw = yaml.safe_load(recipe_path("gpt2", "smoke").read_text())

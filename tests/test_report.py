@@ -12,6 +12,8 @@ from repro.recipe import load_file, recipe_path
 from repro.report.build import write_reports
 from repro.cell import Cell
 
+pytestmark = pytest.mark.units
+
 MIB = 2**20
 # row -> gpus -> (epoch seconds, validation perplexity per epoch, model-state MiB, activation MiB);
 # None: no run recorded

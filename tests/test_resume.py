@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from conftest import Repro, mlflow_runs, read_events, wait_for_event
+from ranks import train
 from repro import registry
 from repro.run import lifecycle
 from repro.run.options import LaunchError
 from repro.adapters.base import Adapter
+from repro.recipe import Recipe, load_file, recipe_path
 
 # 2 epochs of 128 samples at 4 per GPU: 16 steps an epoch under DDP, 8 under Megatron (4 GPUs), 32 under
 # PipeDream (one mini-batch of 4); 2 of the smoke model's 4 layers keep every run to seconds.
@@ -48,27 +50,31 @@ def arguments(framework: str) -> tuple[str, ...]:
     return ("run", "gpt2", "--framework", framework, "--gpus", "2", *SMOKE, *SHAPES.get(framework, ()))
 
 
-class References:
-    """One uninterrupted run per framework, started once and shared by the tests that compare with it."""
+def recipe_of(framework: str) -> Recipe:
+    """The recipe `repro run` resolves from arguments(framework), for the ranks tier."""
+    flags = {"--framework": "run.framework", "--gpus": "run.gpus", "--epochs": "train.epochs"}
+    args = arguments(framework)[2:]
+    overrides = [f"{flags[key]}={value}" if key in flags else value for key, value in zip(args[::2], args[1::2])]
+    return load_file(recipe_path("gpt2", "smoke"), overrides)
 
-    def __init__(self, repro: Repro):
-        self.repro, self.jobs = repro, {}
 
-    def start(self, framework: str, *extra: str) -> None:
-        if framework not in self.jobs:
-            log = f"alone-{framework}.txt"
-            self.jobs[framework] = self.repro.start(*arguments(framework), *extra, "--run-dir", f"alone/{framework}", log=log)
+class Alone:
+    """One uninterrupted run per framework, trained once in the ranks tier (tests/ranks.py) and shared by
+    the tests that compare with it: the same loop, and the checkpoints it saves, as in `repro run`."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
 
     def run_dir(self, framework: str) -> Path:
-        self.start(framework)
-        job = self.jobs[framework]
-        assert job.wait(timeout=600) == 0, (self.repro.cwd / f"alone-{framework}.txt").read_text()
-        return self.repro.cwd / "alone" / framework
+        run_dir = self.folder / framework
+        if not (run_dir / "events.jsonl").exists():
+            train(recipe_of(framework), run_dir)
+        return run_dir
 
 
 @pytest.fixture(scope="module")
-def references(shared_repro: Repro) -> References:
-    return References(shared_repro)
+def alone(tmp_path_factory: pytest.TempPathFactory) -> Alone:
+    return Alone(tmp_path_factory.mktemp("alone"))
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -117,9 +123,9 @@ def mlflow_run(repro: Repro, run_dir: Path):
     return run
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("framework", registered())
-def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, references: References, framework: str,
+def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, alone: Alone, framework: str,
                                                       tmp_path: Path):
     repro, args = shared_repro, arguments(framework)
     refusal = registry.adapter_class(framework).no_checkpoint_because(framework)
@@ -127,7 +133,6 @@ def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, refe
         out = repro(*args, "--resume")
         assert out.returncode != 0 and out.stderr.strip().endswith(f"--resume: {refusal}")
         return
-    references.start(framework)
     stopped = repro.start(*args, "--run-dir", f"stopped/{framework}/run", log=f"stopped-{framework}.txt")
     # a loaded machine (several helpers' tests on 2 cores) takes minutes to start a run
     run_dir, first_epoch = wait_for_event(repro.cwd / "stopped" / framework, "epoch", stopped, timeout=900, epoch=0)
@@ -141,11 +146,11 @@ def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, refe
 
     resumed = repro(*args, "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr
-    alone = references.run_dir(framework)
+    uninterrupted = alone.run_dir(framework)
 
-    assert curve(read_events(run_dir)) == curve(read_events(alone))
+    assert curve(read_events(run_dir)) == curve(read_events(uninterrupted))
     assert len([e for e in read_events(run_dir) if e["event"] == "step"]) == steps
-    before, after = weights(final_checkpoint(alone), tmp_path), weights(final_checkpoint(run_dir), tmp_path)
+    before, after = weights(final_checkpoint(uninterrupted), tmp_path), weights(final_checkpoint(run_dir), tmp_path)
     assert before.keys() == after.keys() and before
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
 
@@ -158,12 +163,11 @@ def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, refe
     assert sorted(m.step for m in history) == list(range(1, steps + 1))  # every step once: none lost, none repeated
 
 
-@pytest.mark.slow
-def test_resume_of_a_finished_run_changes_nothing_and_more_epochs_extend_it(shared_repro: Repro, references: References):
+@pytest.mark.end_to_end
+def test_resume_of_a_finished_run_changes_nothing_and_more_epochs_extend_it(shared_repro: Repro, alone: Alone):
     from mlflow.tracking import MlflowClient
 
     repro, args = shared_repro, arguments("ddp")
-    references.start("ddp")
     one_epoch = [*args, "--epochs", "1"]
     first = repro(*one_epoch, "--run-dir", "finished/ddp")
     assert first.returncode == 0, first.stderr
@@ -187,9 +191,10 @@ def test_resume_of_a_finished_run_changes_nothing_and_more_epochs_extend_it(shar
     extended = mlflow_run(repro, run_dir)
     assert extended.info.status == "FINISHED"
     assert extended.data.tags["repro.extended"] == f"train.epochs 1 -> 2 at step {len(losses)}"
-    assert curve(read_events(run_dir)) == curve(read_events(references.run_dir("ddp")))
+    assert curve(read_events(run_dir)) == curve(read_events(alone.run_dir("ddp")))
 
 
+@pytest.mark.units
 def test_an_adapter_without_checkpoint_or_replicated_state_refuses_resume(repro: Repro, monkeypatch):
     class Sharded(Adapter):
         pass
@@ -212,6 +217,7 @@ def test_an_adapter_without_checkpoint_or_replicated_state_refuses_resume(repro:
         lifecycle.find_resumable(recipe, "latest")
 
 
+@pytest.mark.units
 def test_resume_with_a_different_recipe_refuses_naming_the_fields(repro):
     from repro.recipe import load_file, recipe_path
 

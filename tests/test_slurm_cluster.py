@@ -10,6 +10,9 @@ import pytest
 
 from conftest import mlflow_runs, read_events
 from repro import events as event_kinds
+from slurm_cluster import PROGRAMS
+
+pytestmark = [pytest.mark.services, pytest.mark.programs(*PROGRAMS)]
 
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 SMALL = ("--set", "data.max_train_samples=128", "--set", "data.max_val_samples=32")
@@ -63,7 +66,6 @@ def logged_steps(repro, run) -> list[int]:
     return sorted(m.step for m in history)
 
 
-@pytest.mark.slow
 def test_a_two_node_job_finishes_recorded_once(repro, slurm):
     job_id, run_dir = submit(repro, slurm, "--max-steps", "4", *SMALL)
     script = (run_dir / "job.sbatch").read_text()
@@ -79,7 +81,6 @@ def test_a_two_node_job_finishes_recorded_once(repro, slurm):
 
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("slurm", ["gpu"], indirect=True)
 def test_the_gpu_form_is_accepted_by_nodes_with_gpu_gres(repro, slurm):
     """Nodes declaring fake GPUs (gres.conf, devices made with mknod): the script asks a GPU per process."""
@@ -94,7 +95,6 @@ def test_the_gpu_form_is_accepted_by_nodes_with_gpu_gres(repro, slurm):
 STEPS = 1024 // 16  # one epoch of the smoke recipe on 2 processes
 
 
-@pytest.mark.slow
 def test_scancel_of_a_running_job_keeps_a_mid_epoch_checkpoint_and_resume_finishes_the_same_run(repro, slurm):
     first, run_dir = submit(repro, slurm, "--epochs", "1", "--set", "data.max_val_samples=32")
     wait_for_step(run_dir, 5)
@@ -120,7 +120,6 @@ def test_scancel_of_a_running_job_keeps_a_mid_epoch_checkpoint_and_resume_finish
     assert run.data.tags["repro.resumed_from_step"] == str(interrupted["step"])
 
 
-@pytest.mark.slow
 def test_the_time_limit_warning_saves_every_rank_and_ends_the_run_killed_by_sigusr1(repro, slurm):
     job_id, run_dir = submit(repro, slurm, "--time", "10", "--epochs", "50", "--set", "data.max_val_samples=32")
     assert "#SBATCH --signal=USR1@120" in (run_dir / "job.sbatch").read_text()
@@ -140,7 +139,6 @@ def test_the_time_limit_warning_saves_every_rank_and_ends_the_run_killed_by_sigu
     assert wait_for_job_end(slurm, job_id) in ("FAILED", "COMPLETED")  # it ended before its time limit
 
 
-@pytest.mark.slow
 def test_a_rank_killed_on_the_second_node_fails_the_run_within_60_s_naming_it(repro, slurm):
     job_id, run_dir = submit(repro, slurm, "--epochs", "1", "--set", "data.max_val_samples=32")
     wait_for_step(run_dir, 3)
@@ -166,7 +164,6 @@ def settle(repro, run_dir) -> str:
     return out.stdout
 
 
-@pytest.mark.slow
 def test_a_pending_job_cancelled_waits_scheduled_then_is_settled(repro, slurm):
     blocker = slurm.client("sbatch", "--parsable", "--nodes=2", "--exclusive", "--wrap", "sleep 600").stdout.strip()
     try:
@@ -185,7 +182,6 @@ def test_a_pending_job_cancelled_waits_scheduled_then_is_settled(repro, slurm):
     assert not read_events(run_dir)  # it never started
 
 
-@pytest.mark.slow
 def test_a_job_held_by_a_down_partition_waits_and_an_inactive_one_refuses_it(repro, slurm):
     job_id, run_dir = submit(repro, slurm, "--partition", "down", "--max-steps", "2", *SMALL)
     reason = slurm.client("squeue", "--noheader", f"--jobs={job_id}", "--format=%T %r").stdout.split()

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Repro, Result
+from references import STEPS, gpt2, plain_gpt2
+from repro import registry
 from repro.adapters.torch_pipeline import TorchPipelineAdapter, balance, layer_weights, stage_starts
 from repro.recipe import Recipe, load_file, recipe_path
 from repro.schema import RecipeError
 
-STEPS = "5"
 TOLERANCE = 1e-5
-# 30 validation samples: the pipeline's last evaluation batch (6) must be padded to its 4 microbatches
-SHORT = ("--max-steps", STEPS, "--set", "data.max_val_samples=30")
 TIED_EMBEDDING_BYTES = 256 * 64 * 4  # GPT-2 smoke: byte vocabulary x d_model, fp32
 
 
@@ -23,33 +21,12 @@ def smoke(framework: str, *overrides: str) -> Recipe:
     return load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", *overrides])
 
 
-def epoch_event(result: Result) -> dict:
-    return next(e for e in result.events() if e["event"] == "epoch")
-
-
-def state_bytes(result: Result, kind: str) -> list[int]:
-    return [rank[kind] for rank in epoch_event(result)["ranks"]]
-
-
-def run_alone(folders: pytest.TempPathFactory, *args: str) -> Result:
-    """One run in a folder of its own, so that its Result reads its own events."""
-    out = Repro(folders.mktemp("run"))("run", "gpt2", *args, *SHORT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def ddp_two_ranks(tmp_path_factory) -> Result:
-    return run_alone(tmp_path_factory, "--framework", "ddp", "--gpus", "2")
-
-
-@pytest.fixture(scope="module")
-def sequential(tmp_path_factory) -> Result:
-    """One process on the global batch of a 2-GPU pipeline (2 x 8 samples)."""
-    return run_alone(tmp_path_factory, "--framework", "ddp", "--gpus", "1", "--set", "train.batch_per_gpu=16")
+def state_bytes(epoch: dict, kind: str) -> list[int]:
+    return [rank[kind] for rank in epoch["ranks"]]
 
 
 # -- recipes and partitioning (no processes) ---------------------------------------------------
+@pytest.mark.units
 def test_balance_minimises_the_heaviest_stage() -> None:
     assert balance([1, 1, 1, 1], 2) == [2, 2]
     assert balance([5, 1, 1, 1, 1, 1], 2) == [1, 5]
@@ -60,6 +37,7 @@ def test_balance_minimises_the_heaviest_stage() -> None:
     assert balance(layer_weights(model), 4) == [2, 1, 1, 2]
 
 
+@pytest.mark.units
 def test_no_stage_begins_with_an_in_place_layer() -> None:
     recipe = load_file(recipe_path("vgg16", "smoke"), ["run.framework=torch-pipeline", "run.gpus=4"])
     model = TorchPipelineAdapter.meta_model(recipe)
@@ -71,6 +49,7 @@ def test_no_stage_begins_with_an_in_place_layer() -> None:
         load_file(recipe_path("vgg16", "smoke"), ["run.framework=torch-pipeline", "run.gpus=2", f"torch_pipeline.balance=[1,{len(model) - 1}]"])
 
 
+@pytest.mark.units
 def test_pipeline_recipe_errors_print_the_arithmetic() -> None:
     with pytest.raises(RecipeError, match=r"4 GPUs x 2 stages per rank = 8 stages, but the model has only 6 layers with parameters"):
         smoke("torch-pipeline", "run.gpus=4", "torch_pipeline.schedule=interleaved-1f1b")
@@ -83,6 +62,7 @@ def test_pipeline_recipe_errors_print_the_arithmetic() -> None:
     assert smoke("torch-pipeline", "run.gpus=4").options().schedule == "1f1b"
 
 
+@pytest.mark.units
 def test_fsdp_recipe_checks_hybrid_replicas_and_precision() -> None:
     with pytest.raises(RecipeError, match=r"fsdp.replicas: .* 6 % 4 = 2"):
         smoke("fsdp", "run.gpus=6", "fsdp.sharding=hybrid", "fsdp.replicas=4")
@@ -91,6 +71,7 @@ def test_fsdp_recipe_checks_hybrid_replicas_and_precision() -> None:
     assert smoke("fsdp", "run.gpus=4", "fsdp.sharding=hybrid").options().replicas == 2
 
 
+@pytest.mark.units
 def test_list_and_run_give_axonns_reason(repro) -> None:
     listed = repro("list")
     assert listed.returncode == 0
@@ -103,33 +84,39 @@ def test_list_and_run_give_axonns_reason(repro) -> None:
     assert "Traceback" not in out.stderr
 
 
-# -- training equivalence (real processes on gloo) ---------------------------------------------
-@pytest.mark.slow
-def test_fsdp_equals_ddp_and_holds_half_the_state(tmp_path_factory, ddp_two_ranks) -> None:
-    out = run_alone(tmp_path_factory, "--framework", "fsdp", "--gpus", "2")
-    fsdp, ddp = out.losses(), ddp_two_ranks.losses()
-    assert len(fsdp) == len(ddp) == int(STEPS)
+# -- training equivalence (the ranks tier: tests/references.py's parity recipes) -------------------
+@pytest.mark.ranks
+def test_fsdp_equals_ddp_and_holds_half_the_state(references) -> None:
+    fsdp, ddp = references.losses(gpt2("fsdp", 2)), references.losses(gpt2("ddp", 2))
+    assert len(fsdp) == len(ddp) == STEPS
     assert max(abs(a - b) for a, b in zip(fsdp, ddp)) < TOLERANCE
     assert fsdp[-1] < fsdp[0]
-    val_fsdp, val_ddp = epoch_event(out)["val"]["val/loss"], epoch_event(ddp_two_ranks)["val"]["val/loss"]
-    assert val_fsdp == pytest.approx(val_ddp, abs=TOLERANCE)
+    fsdp_epoch, ddp_epoch = references.epoch(gpt2("fsdp", 2)), references.epoch(gpt2("ddp", 2))
+    assert fsdp_epoch["val"]["val/loss"] == pytest.approx(ddp_epoch["val"]["val/loss"], abs=TOLERANCE)
     # every dimension splits evenly in two here; DDP's gradient count also holds its reducer buckets
-    # (a second copy of every gradient), so FSDP's gradient shard is half of one fp32 copy: half the parameters
-    whole = {kind: state_bytes(ddp_two_ranks, kind)[0] for kind in ("parameters", "gradients", "optimizer")}
+    # (a second copy of every gradient), so FSDP's gradient shard is half of one fp32 copy: half the parameters.
+    # Adam's two moments (2 x 4 bytes a parameter) are sharded; its step counters (one fp32 per parameter
+    # tensor) are not: every rank keeps them all.
+    whole = {kind: state_bytes(ddp_epoch, kind)[0] for kind in ("parameters", "gradients", "optimizer")}
     assert whole["gradients"] == 2 * whole["parameters"]
+    steps = whole["optimizer"] - 2 * whole["parameters"]
+    recipe = gpt2("ddp", 2)
+    assert steps == 4 * len(list(registry.workload_class("gpt2")(recipe.model, recipe.data, None).build_model().parameters()))
     for kind, share in (("parameters", whole["parameters"]), ("gradients", whole["parameters"]),
-                        ("optimizer", whole["optimizer"])):
-        assert state_bytes(out, kind) == [share // 2, share // 2], kind
+                        ("optimizer", whole["optimizer"] + steps)):
+        assert state_bytes(fsdp_epoch, kind) == [share // 2, share // 2], kind
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
-def test_pipeline_schedule_equals_sequential_training(tmp_path_factory, sequential, schedule) -> None:
-    out = run_alone(tmp_path_factory, "--framework", "torch-pipeline", "--gpus", "2", "--set", f"torch_pipeline.schedule={schedule}")
-    pipe, one = out.losses(), sequential.losses()
-    assert len(pipe) == len(one) == int(STEPS)
+def test_pipeline_schedule_equals_sequential_training(references, schedule) -> None:
+    """Two stages against one process on the same global batch (the pipeline's, in 4 micro-batches)."""
+    recipe = gpt2("torch-pipeline", 2, f"torch_pipeline.schedule={schedule}")
+    pipe, one = references.losses(recipe), references.losses(plain_gpt2())
+    assert len(pipe) == len(one) == STEPS
     assert max(abs(a - b) for a, b in zip(pipe, one)) < TOLERANCE
-    assert epoch_event(out)["val"]["val/loss"] == pytest.approx(epoch_event(sequential)["val"]["val/loss"], abs=TOLERANCE)
+    out, sequential = references.epoch(recipe), references.epoch(plain_gpt2())
+    assert out["val"]["val/loss"] == pytest.approx(sequential["val"]["val/loss"], abs=TOLERANCE)
     # the stages hold the whole model between them, plus the head's copy of the tied embedding
     whole = state_bytes(sequential, "parameters")[0]
     assert sum(state_bytes(out, "parameters")) == whole + TIED_EMBEDDING_BYTES

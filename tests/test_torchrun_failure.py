@@ -2,9 +2,12 @@
 (torch/distributed/elastic/multiprocessing/errors/__init__.py), built here from torch's own classes."""
 from __future__ import annotations
 
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from repro.run.torchrun_failure import ROOT_CAUSE_HEADING, describe_failure
+
+pytestmark = pytest.mark.units
 
 
 def torchrun_output(root_rank: int, exitcodes: dict[int, int], before: str = "") -> str:

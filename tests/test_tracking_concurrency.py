@@ -9,8 +9,9 @@ import pytest
 from conftest import read_events
 from repro.tracking import event_metrics
 
+pytestmark = pytest.mark.end_to_end
 
-@pytest.mark.slow
+
 def test_two_runs_at_once_lose_no_metric(repro):
     from mlflow.tracking import MlflowClient
 

@@ -37,6 +37,7 @@ def folder_started_while_away(run_dir: Path, uri: str) -> None:
     writer.close()
 
 
+@pytest.mark.units
 def test_delivery_creates_a_run_started_while_the_server_was_away_and_delivers_each_step_once(tmp_path: Path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_dir = tmp_path / "runs" / "late"
@@ -55,6 +56,7 @@ def test_delivery_creates_a_run_started_while_the_server_was_away_and_delivers_e
     assert not (run_dir / DEFERRED_FILE).exists()
 
 
+@pytest.mark.units
 def test_a_server_that_does_not_answer_defers_the_creation_and_settle_finds_the_run(tmp_path: Path, monkeypatch):
     closed = f"http://127.0.0.1:{free_port()}"
     run_dir = (tmp_path / "runs" / "away").resolve()
@@ -81,7 +83,7 @@ def test_a_server_that_does_not_answer_defers_the_creation_and_settle_finds_the_
     assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
 
 
-@pytest.mark.slow
+@pytest.mark.end_to_end
 def test_a_run_started_while_the_server_is_down_trains_and_is_recorded_once_it_answers(repro, tmp_path: Path):
     """With the tracking URI on a server that is not up, `repro run` trains; the server comes up mid-run
     (an `mlflow server` on a sqlite store) and the run is there, every step once, FINISHED."""

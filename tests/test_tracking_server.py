@@ -14,11 +14,14 @@ import psutil
 import pytest
 
 from conftest import Repro, read_events
+from mlflow_server import POSTGRESQL
 from repro.delivery import State
 from repro.recipe import resolve
 from repro.run import record
 from repro.runfiles import RunFolder
 from repro.tracking import event_metrics
+
+pytestmark = [pytest.mark.services, pytest.mark.programs(*POSTGRESQL)]
 
 SMALL = ("--set", "data.max_val_samples=16")
 CREATION_ARTIFACTS = {"recipe.yaml", "environment.json", "packages.json"}
@@ -92,7 +95,6 @@ def assert_exactly_once(uri: str, run_dir: Path, status: str) -> None:
     assert CREATION_ARTIFACTS <= artifacts.keys()
 
 
-@pytest.mark.slow
 def test_both_workloads_at_once_arrive_exactly_once(served: Repro, tracking_server) -> None:
     """A VGG-16 DDP run and a GPT-2 ZeRO run at once; the ZeRO run's params say Adam with its lr and weight decay."""
     jobs = {
@@ -123,7 +125,6 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.slow
 def test_outage_longer_than_retries_then_sync_delivers_every_point(served: Repro, tracking_server) -> None:
     """The server goes away mid-run and stays away past the job's end: the job finishes, the run folder
     says what is missing, and `repro sync` delivers it exactly once (twice run, nothing twice)."""
@@ -157,7 +158,6 @@ def test_outage_longer_than_retries_then_sync_delivers_every_point(served: Repro
           f"after sync {count(after)}, duplicates {count(after) - len({(k, p) for k in after for p in after[k]})}")
 
 
-@pytest.mark.slow
 def test_settle_ends_a_run_whose_follower_and_job_died(served: Repro, tracking_server) -> None:
     """The follower and its job are killed (SIGKILL: nothing records an end); once the heartbeat is
     stale, `repro settle` finds the RUNNING run in the store, delivers its events and ends it FAILED."""

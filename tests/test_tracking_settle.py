@@ -5,6 +5,8 @@ import pytest
 
 from repro import slurm
 
+pytestmark = pytest.mark.units
+
 
 def test_job_state_without_squeue_raises(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no squeue

@@ -15,8 +15,10 @@ import pytest
 
 from conftest import REPO, Repro
 from host import free_port, program
-from mlflow_server import START_TIMEOUT_S
+from mlflow_server import POSTGRESQL, START_TIMEOUT_S
 from test_tracking_server import isolate_caches
+
+pytestmark = [pytest.mark.services, pytest.mark.programs(*POSTGRESQL, "chromium")]
 
 PAGE_BUDGET_MS = 30000  # Chromium's virtual time for the single-page app to fetch and render
 WINDOW = "3000,1400"  # wide enough for the runs table to show its Dataset, Source and Version columns
@@ -65,7 +67,6 @@ def ui(tracking_server) -> str:
             process.wait()
 
 
-@pytest.mark.slow
 def test_runs_view_shows_dataset_digest_and_commit(repro: Repro, tracking_server, request) -> None:
     repro.env["MLFLOW_TRACKING_URI"] = tracking_server.uri
     isolate_caches(repro)

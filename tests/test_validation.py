@@ -22,6 +22,8 @@ from repro.run.preflight import CPU_PROCESSES_PER_CORE
 from repro.data.sets import DATASETS
 from repro.recipe import SCALES, recipe_path
 
+pytestmark = pytest.mark.units
+
 CASES_PER_CLASS = 22
 TESTED: Counter[str] = Counter()  # cases walked per class
 

@@ -17,6 +17,8 @@ from repro.run.torchrun_failure import describe_failure
 from repro.warm import ranks
 from repro.warm.client import Launcher
 
+pytestmark = pytest.mark.ranks
+
 
 def test_ranks_get_torchruns_environment_and_start_with_one_thread_and_no_cuda(tmp_path: Path):
     codes = ranks.run(rank_probe.report, 3, (str(tmp_path),))

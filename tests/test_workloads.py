@@ -1,11 +1,14 @@
 """Model definitions: the published sizes, and layer lists that pipelines can partition."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torchvision
 
 from repro.workloads.gpt2 import GPT2Spec, build_gpt2
 from repro.workloads.vgg16 import VGG16Spec, build_vgg16
+
+pytestmark = pytest.mark.units
 
 
 def count(model: torch.nn.Module) -> int:

@@ -18,43 +18,25 @@ from pathlib import Path
 import pytest
 import torch
 
+import ranks
 from conftest import REPO, Repro
+from references import STEPS, gpt2
 from repro import registry
 from repro.recipe import load_file
 from repro.schema import RecipeError
 
 ADAM = "{name: adam, lr: 0.001, weight_decay: 0.01}"
-SAME_ADAM = ["--set", f"train.optimizer={ADAM}", "--set", f"zero.optimizer={ADAM}"]
-FRAMEWORKS = {"ddp": ["--framework", "ddp"]} | {
-    f"stage{s}": ["--framework", "zero", "--set", f"zero.stage={s}"] for s in (1, 2, 3)
-}
+SAME_ADAM = [f"train.optimizer={ADAM}", f"zero.optimizer={ADAM}"]
+FRAMEWORKS = {"ddp": ["run.framework=ddp"]} | {f"stage{s}": ["run.framework=zero", f"zero.stage={s}"] for s in (1, 2, 3)}
 SMOKE = REPO / "configs" / "gpt2-smoke.yaml"
-
-
-def train(repro: Repro, gpus: int, steps: int) -> dict[str, list[dict]]:
-    """The events of GPT-2 smoke under DDP and ZeRO stages 1-3, all with the same Adam."""
-    out = {}
-    for name, args in FRAMEWORKS.items():
-        result = repro("run", "gpt2", "--gpus", str(gpus), "--scale", "smoke", "--max-steps", str(steps),
-                       "--set", "data.max_val_samples=64", *args, *SAME_ADAM)
-        assert result.returncode == 0, result.stderr[-3000:]
-        out[name] = result.events()  # read now: the next run becomes the newest run folder
-    return out
+FOUR_RANKS = ["run.gpus=4", "train.max_steps=3", "data.max_val_samples=64", *SAME_ADAM]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    return train(Repro(tmp_path_factory.mktemp("zero2")), gpus=2, steps=5)
-
-
-@pytest.fixture(scope="module")
-def four_ranks_repro(tmp_path_factory: pytest.TempPathFactory) -> Repro:
-    return Repro(tmp_path_factory.mktemp("zero4"))
-
-
-@pytest.fixture(scope="module")
-def four_ranks(four_ranks_repro: Repro) -> dict[str, list[dict]]:
-    return train(four_ranks_repro, gpus=4, steps=3)
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """The events of the whole GPT-2 smoke model under DDP and ZeRO stages 1-3 on 4 ranks, all with the same Adam."""
+    folder = tmp_path_factory.mktemp("zero4")
+    return {name: ranks.train(load_file(SMOKE, [*FOUR_RANKS, *sets]), folder / name) for name, sets in FRAMEWORKS.items()}
 
 
 def losses(events: list[dict]) -> list[float]:
@@ -78,17 +60,18 @@ def derived_bytes(name: str, params: int, first_layer: int, ranks: int, bucket: 
     }[name]
 
 
-@pytest.mark.slow
-def test_every_stage_trains_like_ddp_on_two_ranks(two_ranks: dict[str, list[dict]]) -> None:
-    ddp = losses(two_ranks["ddp"])
-    assert len(ddp) == 5 and ddp[-1] < ddp[0]
-    for stage in ("stage1", "stage2", "stage3"):
-        zero = losses(two_ranks[stage])
-        assert len(zero) == 5
+@pytest.mark.ranks
+def test_every_stage_trains_like_ddp_on_two_ranks(references) -> None:
+    """Parity's recipes (tests/references.py): the same Adam for DDP and every stage."""
+    ddp = references.losses(gpt2("ddp", 2))
+    assert len(ddp) == STEPS and ddp[-1] < ddp[0]
+    for stage in (1, 2, 3):
+        zero = references.losses(gpt2("zero", 2, f"zero.stage={stage}"))
+        assert len(zero) == STEPS
         assert max(abs(a - b) for a, b in zip(zero, ddp)) < 1e-5, (stage, zero, ddp)
 
 
-@pytest.mark.slow
+@pytest.mark.ranks
 def test_model_state_per_rank_shrinks_with_the_stage_as_derived(four_ranks: dict[str, list[dict]]) -> None:
     recipe = load_file(SMOKE)
     model = registry.workload_class("gpt2")(recipe.model, recipe.data, Path()).build_model()
@@ -103,29 +86,31 @@ def test_model_state_per_rank_shrinks_with_the_stage_as_derived(four_ranks: dict
         assert value == pytest.approx(derived, rel=0.10), name
 
 
-@pytest.mark.slow
-def test_zero_run_lands_in_mlflow_with_memory_and_deepspeed_config(
-    four_ranks: dict[str, list[dict]], four_ranks_repro: Repro,
-) -> None:
+@pytest.mark.end_to_end
+def test_zero_run_lands_in_mlflow_with_memory_and_deepspeed_config(repro: Repro) -> None:
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=four_ranks_repro.tracking_uri)
+    sets = [arg for value in [*FOUR_RANKS, *FRAMEWORKS["stage3"]] for arg in ("--set", value)]
+    out = repro("run", "gpt2", "--framework", "zero", "--gpus", "4", *sets)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=repro.tracking_uri)
     (run,) = [
         r for r in client.search_runs(client.get_experiment_by_name("repro").experiment_id)
         if r.data.params.get("zero.stage") == "3" and r.data.tags["repro.framework"] == "zero"
     ]
     assert run.info.status == "FINISHED"
     metrics = run.data.metrics
-    assert metrics["memory/model_state_bytes"] == model_state(four_ranks["stage3"])
+    assert metrics["memory/model_state_bytes"] == model_state(out.events())
     for key in ("memory/peak_bytes", *(f"memory/rank{r}/model_state_bytes" for r in range(4))):
         assert metrics[key] > 0, key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"deepspeed_config.json", "events.jsonl", "output.log"} <= artifacts
-    config = client.download_artifacts(run.info.run_id, "deepspeed_config.json", str(four_ranks_repro.cwd))
+    config = client.download_artifacts(run.info.run_id, "deepspeed_config.json", str(repro.cwd))
     text = Path(config).read_text()
     assert '"gradient_clipping": 0.0' in text and '"stage": 3' in text
 
 
+@pytest.mark.units
 @pytest.mark.parametrize(
     "recipe, override, field",
     [
@@ -142,12 +127,14 @@ def test_impossible_settings_fail_naming_the_field(recipe: str, override: str, f
     assert error.value.field == field
 
 
+@pytest.mark.units
 def test_cli_reports_a_bad_stage_before_launching(repro: Repro) -> None:
     out = repro("run", "gpt2", "--framework", "zero", "--set", "zero.stage=5", "--dry-run")
     assert out.returncode == 2
     assert "zero.stage: got 5; ZeRO stages are 1, 2 and 3" in out.stderr
 
 
+@pytest.mark.units
 @pytest.mark.parametrize("grad_clip, precision", [(None, "fp32"), (1.0, "bf16"), (0.5, "fp16")])
 def test_arithmetic_settings_reach_deepspeed_explicitly(grad_clip: float | None, precision: str) -> None:
     from repro.adapters.base import RunContext

@@ -9,7 +9,8 @@ from typing import Any
 from repro.report import settings as run_settings
 from repro.report.collect import Result, not_separable
 from repro.report.evidence import FAILS, HOLDS, NOT_TESTABLE, Results, combine, mib, untimed
-from repro.report.predicted import pipeline_memory_predicted, predicted_hybrid, zero_memory_predicted
+from repro.report.predicted import (megatron_memory_predicted, pipeline_memory_predicted, predicted_hybrid,
+                                    zero_memory_predicted)
 
 
 def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
@@ -115,7 +116,7 @@ def megatron_u_shape(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
             note += f"; last doubling speeds an epoch up x{speedup:.2f} (flat below x{t['flat_speedup']})"
             verdicts.append(HOLDS if u_shape and speedup < t["flat_speedup"] else FAILS)
         notes.append(note)
-    return combine(verdicts), notes
+    return combine(verdicts), notes + megatron_memory_predicted(res, t)
 
 
 def pipeline_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:

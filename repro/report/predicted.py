@@ -93,3 +93,29 @@ def pipeline_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
             notes.append(f"{w} {row} at paper scale, memory per GPU {where}, "
                          + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error})")
     return notes
+
+
+def megatron_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
+    """Where Megatron-intra's memory per GPU (model state + activations) has its minimum at the paper's
+    scale and GPU counts, from the cost model: a prediction beside the measured verdict, with the
+    model's error. Counts whose tp does not split the heads have no prediction (left out)."""
+    from repro.predictions import memory_minimum, quoted
+    from repro.table2 import load_matrix
+
+    if res.predict is None:
+        return []
+    notes, counts = [], load_matrix().scales["paper"].gpus
+    for w in res.workloads:
+        figures = {g: res.predict(w, t["row"], g) for g in counts}
+        memory = {g: p.memory_bytes for g, p in figures.items() if p and p.memory_bytes}
+        if len(memory) < 3:
+            why = "fewer than 3 GPU counts modelled" if memory else "not modelled for this workload"
+            notes.append(f"{w} {t['row']} at paper scale: no memory prediction ({why})")
+            continue
+        gpus = sorted(memory)
+        lowest, shape = memory_minimum(memory)
+        error = model_error({t["row"]: figures[gpus[-1]]}, MEMORY_CHECKS)
+        notes.append(f"{w} {t['row']} at paper scale, memory per GPU lowest at {lowest} GPU{'s' if lowest > 1 else ''} "
+                     f"({shape}; local layer spec), "
+                     + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error})")
+    return notes

@@ -38,12 +38,19 @@ def output_to(fd: int) -> Iterator[None]:
     try:
         yield
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BrokenPipeError):
+                stream.flush()
         for target, original in zip((1, 2), saved):
             os.dup2(original, target)
             os.close(original)
         os.close(fd)
+
+
+def say(text: str) -> None:
+    """A line of the job's output; none when nobody reads it any more (the parent has gone)."""
+    with contextlib.suppress(BrokenPipeError):
+        print(text, file=sys.stderr, flush=True)
 
 
 def entry_point(dotted: str):
@@ -76,9 +83,9 @@ def run_job(channel: socket.socket, job: dict) -> bool:
     except Exception:
         traceback.print_exc()
     if group is not None and group.failure_summary():
-        print(group.failure_summary(), file=sys.stderr, flush=True)
+        say(group.failure_summary())
     if group is not None and group.stopped_by:
-        print(f"repro.warm: ranks stopped by {group.stopped_by.name}", file=sys.stderr, flush=True)
+        say(f"repro.warm: ranks stopped by {group.stopped_by.name}")
     returncode = group.returncode() if group is not None else 1
     exit_codes = group.exit_codes() if group is not None else {}
     if parent_here:

@@ -11,8 +11,12 @@ import multiprocessing.forkserver
 import os
 from typing import Sequence
 
-ALWAYS_WARM = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing", "repro.loop",
-               "repro.warm.ranks")
+# What every rank imports on its way to its first step, whatever its framework. Beyond the loop, found by
+# profiling a forked rank (20 of its 23 s to the first step were imports, at load 13): the loop's
+# torch.use_deterministic_algorithms imports torch._inductor (and with it dynamo, sympy), repro.optim's
+# LAMB comes from timm.optim.
+ALWAYS_WARM = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing", "torch._inductor",
+               "timm.optim", "repro.loop", "repro.warm.ranks")
 PRELOAD_ENV = "REPRO_WARM_PRELOAD"  # the modules the fork server was asked to import (repro.warm.fork_check)
 # Libraries that start a thread as they load, found by repro.warm.fork_check (and gdb): numpy (imported by
 # torch) loads OpenBLAS, which starts a thread per core unless told not to (the ranks use one thread each on

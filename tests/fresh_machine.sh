@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The fresh-machine proof of issue 31: a clean Debian 12 chroot bootstrapped as the image test bootstraps
+# its base (tests/test_image.py: mmdebstrap --variant=minbase, Python and CA certificates only, plus make
+# and git, which the README's commands need), a fresh clone of this checkout's HEAD, the README's set-up
+# command, then the tiers: units, ranks, end-to-end, services. The image test needs a Docker daemon of its
+# own and stays on the host (`make test-image`). Each step's wall time goes to $LOG.
+#
+# As root on a Debian host with mmdebstrap and network access to deb.debian.org and PyPI (the set-up
+# downloads the pinned wheels, a few GiB): bash tests/fresh_machine.sh [ROOT]
+# The shared datasets are bind-mounted read-only at /staged-data ($REPRO_STAGED_DATA), never copied.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+root=${1:-$(mktemp -d /tmp/repro-fresh.XXXXXX)}
+staged=${REPRO_STAGED_DATA:-$(cd "$repo/.." && pwd)/shared/data}
+LOG=${LOG:-$root.log}
+[ "$(id -u)" = 0 ] || { echo "fresh_machine.sh: run as root (mmdebstrap, chroot, mounts)" >&2; exit 2; }
+command -v mmdebstrap >/dev/null || { echo "fresh_machine.sh: needs mmdebstrap: apt-get install mmdebstrap" >&2; exit 2; }
+
+step() {  # step NAME COMMAND...: run it, log its wall time and exit code, stop at the first failure
+    local name=$1 start code=0; shift
+    start=$(date +%s)
+    echo "== $name: $*" | tee -a "$LOG"
+    "$@" 2>&1 | tee -a "$LOG" || code=$?
+    echo "== $name: exit $code after $(( $(date +%s) - start )) s" | tee -a "$LOG"
+    return "$code"
+}
+
+in_root() {  # the command as a user of the fresh machine: in the clone, with a plain environment
+    chroot "$root" env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        LANG=C.UTF-8 REPRO_STAGED_DATA=/staged-data bash -c "cd /repro && $*"
+}
+
+unmount() {
+    for mount in staged-data tmp dev/pts dev sys proc; do
+        mountpoint -q "$root/$mount" && umount -l "$root/$mount"
+    done
+}
+trap unmount EXIT
+
+[ -e "$root/usr/bin/python3" ] ||
+    step bootstrap mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,ca-certificates,make,git \
+        bookworm "$root"
+[ -d "$root/repro" ] || step clone git clone --quiet "$repo" "$root/repro"  # committed files only, as a clone has
+cp /etc/resolv.conf "$root/etc/resolv.conf"
+mkdir -p "$root/staged-data"
+mount -t proc proc "$root/proc"
+mount --rbind /sys "$root/sys"
+mount --rbind /dev "$root/dev"
+mount -t tmpfs tmpfs "$root/tmp"
+mount --bind -o ro "$staged" "$root/staged-data"
+
+started=$(date +%s)
+step setup in_root make setup  # the README's set-up command
+step test-deps in_root make test-deps  # as root where apt exists: the Debian packages the tests need
+step units in_root make test-fast
+step ranks in_root make test-ranks
+step end-to-end in_root make test-end-to-end
+step services in_root make test-services PYTEST_ARGS=--ignore=tests/test_image.py
+echo "fresh machine: every tier passed in $(( $(date +%s) - started )) s (set-up included); log: $LOG" | tee -a "$LOG"
