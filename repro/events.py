@@ -33,9 +33,10 @@ class EventWriter:
         self._file.write(json.dumps({"event": kind, "wall": time.time(), **fields}, sort_keys=True) + "\n")
 
     def emit_all(self, kind: str, rows: Iterable[dict[str, Any]]) -> None:
-        """Events of one kind written at once (a window's step events: one write, not one a line)."""
-        wall = time.time()
-        self._file.write("".join(json.dumps({"event": kind, "wall": wall, **fields}, sort_keys=True) + "\n"
+        """Events of one kind written at once (a window's step events: one write, not one a line), each
+        stamped with its own `wall` where the row carries one (when its step ended), else with now."""
+        now = time.time()
+        self._file.write("".join(json.dumps({"event": kind, "wall": now, **fields}, sort_keys=True) + "\n"
                                  for fields in rows))
 
     def close(self) -> None:

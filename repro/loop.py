@@ -20,6 +20,7 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -73,7 +74,9 @@ class Trainer:
         self.stop_signal: signal.Signals | None = None
         log_every = recipe.train.log_every
         self.window = log_every * -(-SYNC_EVERY // log_every)
-        self.pending: list[tuple[int, int, torch.Tensor | None]] = []  # (step, epoch, this rank's loss)
+        # (step, epoch, wall clock at the step's end, this rank's loss): events are written a window at a time,
+        # each step's own time kept, so that step times can still be read from the events
+        self.pending: list[tuple[int, int, float, torch.Tensor | None]] = []
         self.reducing: tuple[list[tuple[int, int]], Reduction | None] | None = None  # the window in flight
         self.phase = "setup"  # "steps" while the epoch timer runs, "epoch" between epochs
         self.host_syncs: collections.Counter[str] = collections.Counter()  # "phase/site" -> count
@@ -161,7 +164,7 @@ class Trainer:
     def start_losses(self) -> None:
         """Start reducing the pending steps' losses, in one collective on every rank (read a step later)."""
         if self.pending:
-            logged, losses = [(step, epoch) for step, epoch, _ in self.pending], [loss for *_, loss in self.pending]
+            logged, losses = [entry[:3] for entry in self.pending], [loss for *_, loss in self.pending]
             self.pending = []
             self.reducing = (logged, self.adapter.reduce_losses(losses))
 
@@ -174,8 +177,8 @@ class Trainer:
         self.reducing = None
         values = self.host_read("loss", reduction.result()) if reduction is not None else [None] * len(logged)
         if self.writer:
-            self.writer.emit_all(events.STEP, ({"step": step, "epoch": epoch, "loss": loss}
-                                               for (step, epoch), loss in zip(logged, values)))
+            self.writer.emit_all(events.STEP, ({"step": step, "epoch": epoch, "wall": wall, "loss": loss}
+                                               for (step, epoch, wall), loss in zip(logged, values)))
 
     def log_losses(self) -> None:
         """Reduce every loss not yet read and write their step events (at the epoch end, or a stop)."""
@@ -244,7 +247,7 @@ class Trainer:
                     loss = self.counted_step(inputs, targets, harness, counters)
                     at.step, at.epoch_step, self.steps_here = at.step + 1, at.epoch_step + 1, self.steps_here + 1
                     if at.step % recipe.train.log_every == 0:
-                        self.pending.append((at.step, epoch, loss))
+                        self.pending.append((at.step, epoch, time.time(), loss))
                     clock.mark()
                     if self.done(at):
                         break
