@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,3 +197,16 @@ def warm_job(launcher: list[str], entry: str, processes: int, run_dir: Path) -> 
     """A job of a warm launcher as the run records it (command.json) and --dry-run shows it: the launcher's
     command line, then what it is sent: `processes` ranks of `entry` on `run_dir`."""
     return [*launcher, "::", f"{processes} x {entry}", str(run_dir)]
+
+
+def root_cause(exit_codes: dict[int, int]) -> int:
+    """The rank that failed first, from the failed ranks' exit codes in the order they were observed: a rank
+    killed from outside (by a signal other than SIGABRT, which gloo raises in a rank that lost a peer, and
+    SIGTERM, which the launchers send the others after a failure) before the others, since ranks that lose a
+    peer end on their own, with an error or an abort, in the same instant; else the first observed. Both
+    torchrun (one summary per node, printed in no reliable order) and the warm launcher (torch's
+    MultiprocessContext reports the lowest failed rank) need this: seen when a killed rank 1's peer rank 0
+    aborted within the same poll, and rank 0 was blamed."""
+    consequences = (-signal.SIGABRT, -signal.SIGTERM)
+    killed = [rank for rank, code in exit_codes.items() if code < 0 and code not in consequences]
+    return killed[0] if killed else next(iter(exit_codes))

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from conftest import mlflow_runs, read_events
-from repro import events as event_kinds
+from repro import names
 from slurm_cluster import PROGRAMS
 
 pytestmark = [pytest.mark.services, pytest.mark.programs(*PROGRAMS)]
@@ -62,7 +62,7 @@ def wait_for_step(run_dir, step: int, timeout: float = 240) -> None:
 def logged_steps(repro, run) -> list[int]:
     from mlflow.tracking import MlflowClient
 
-    history = MlflowClient(tracking_uri=repro.tracking_uri).get_metric_history(run.info.run_id, event_kinds.TRAIN_LOSS)
+    history = MlflowClient(tracking_uri=repro.tracking_uri).get_metric_history(run.info.run_id, names.TRAIN_LOSS)
     return sorted(m.step for m in history)
 
 

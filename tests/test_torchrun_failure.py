@@ -41,6 +41,15 @@ def test_of_several_nodes_summaries_the_first_printed_is_the_failure() -> None:
     assert rank == "3" and message.startswith("rank 3 (local rank 1) failed with exit code 1\n")
 
 
+def test_of_several_nodes_summaries_a_rank_killed_from_outside_is_the_failure_not_its_aborted_peer() -> None:
+    """Seen on the two-node Slurm cluster: rank 1 was killed; rank 0 on the other node lost its peer, gloo
+    aborted it, and its node's summary was printed first."""
+    aborted = torchrun_output(root_rank=0, exitcodes={0: -6})
+    killed = torchrun_output(root_rank=1, exitcodes={1: -9})
+    message, rank = describe_failure(aborted + killed, 1, limit=4800)
+    assert rank == "1" and message.startswith("rank 1 (local rank 1) failed with exit code -9\n")
+
+
 def test_without_a_summary_the_exit_code_leads_and_stack_frames_are_left_out() -> None:
     output = "RuntimeError: connection refused\nframe #0: c10d::TCPStore::check + 0x1f\nframe #1: main + 0x2\nlast line\n"
     message, rank = describe_failure(output, 3, limit=4800)

@@ -25,8 +25,9 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext, RunProcsResult, Std, start_processes
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from repro.launch import root_cause
 from repro.warm.fork_server import preload
 
 START_METHOD = "forkserver"
@@ -92,7 +93,19 @@ class Ranks:
         """torchrun's failure summary (ChildFailedError.format_msg: the root cause rank and exit code), or None."""
         if self.result is None or not self.result.is_failed():
             return None
-        return ChildFailedError(name=ROLE, failures=self.result.failures).format_msg()
+        return ChildFailedError(name=ROLE, failures=self.root_failure()).format_msg()
+
+    def root_failure(self) -> dict[int, ProcessFailure]:
+        """The failure to blame (launch.root_cause): torch's MultiprocessContext reports the lowest failed
+        rank, which is a killed rank's peer when both are found ended in the same poll."""
+        failed = {rank: code for rank, code in self.exit_codes().items() if code}
+        reported = self.result.failures
+        rank = root_cause({**{r: failed[r] for r in reported if r in failed}, **failed})
+        if rank in reported:
+            return {rank: reported[rank]}
+        process = self.context._pc.processes[rank]
+        return {rank: ProcessFailure(local_rank=rank, pid=process.pid, exitcode=process.exitcode,
+                                     error_file=self.context.error_files[rank])}
 
 
 def start(
