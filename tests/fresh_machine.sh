@@ -31,8 +31,8 @@ in_root() {  # the command as a user of the fresh machine: in the clone, with a 
 }
 
 unmount() {
-    for mount in staged-data tmp dev/pts dev sys proc; do
-        mountpoint -q "$root/$mount" && umount -l "$root/$mount"
+    for mount in ${indexes:-} staged-data tmp dev/pts dev sys proc; do
+        mountpoint -q "$root/${mount#/}" && umount -l "$root/${mount#/}"
     done
 }
 trap unmount EXIT
@@ -42,12 +42,20 @@ trap unmount EXIT
         bookworm "$root"
 [ -d "$root/repro" ] || step clone git clone --quiet "$repo" "$root/repro"  # committed files only, as a clone has
 cp /etc/resolv.conf "$root/etc/resolv.conf"
+# This network's settings, which a fresh machine here has too and the kit does not provide: the CA that signs
+# its TLS (the egress proxy), and pip's configuration (global, site and root's) with the local indexes it names.
+cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
+pip_configs=$(ls /etc/pip.conf /etc/xdg/pip/* /root/.config/pip/pip.conf 2>/dev/null || true)
+for config in $pip_configs; do mkdir -p "$root$(dirname "$config")" && cp "$config" "$root$config"; done
+indexes=$(cat $pip_configs /dev/null | sed -n 's/^ *\(find-links\|extra-index-url\) *= *//p' | tr ' ' '\n' |
+    sed -n 's|^file://||; s|/simple$||; /^\//p' | sort -u)
 mkdir -p "$root/staged-data"
 mount -t proc proc "$root/proc"
 mount --rbind /sys "$root/sys"
 mount --rbind /dev "$root/dev"
 mount -t tmpfs tmpfs "$root/tmp"
 mount --bind -o ro "$staged" "$root/staged-data"
+for index in $indexes; do mkdir -p "$root$index" && mount --bind -o ro "$index" "$root$index"; done
 
 started=$(date +%s)
 step setup in_root make setup  # the README's set-up command
