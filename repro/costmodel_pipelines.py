@@ -80,6 +80,7 @@ def gpipe_activations(cell: Cell, sizes: list[int], m: int) -> int:
     total = [sum(column) + once[j] for j, column in enumerate(holding)]
     peak = total[:-1] + [total[-1] + cell.shape.loss_bytes(m * b)]  # the end of the forward
     arrived, done, queued, ready = {(i, k - 1) for i in range(m)}, set(), set(), []
+    left = [m] * k  # micro-batches whose backward has not run: any of them keeps the batch's storage
 
     def release(i: int, j: int) -> None:
         """Micro-batch i of partition j is ready for its backward: recomputed (or never checkpointed)."""
@@ -97,8 +98,8 @@ def gpipe_activations(cell: Cell, sizes: list[int], m: int) -> int:
         j = -negative_j
         done.add((i, j))
         total[j] -= holding[j][i]
-        holding[j][i] = 0
-        if not any(holding[j]):
+        holding[j][i], left[j] = 0, left[j] - 1
+        if not left[j]:
             total[j] -= once[j]
         if j:
             arrived.add((i, j - 1))
