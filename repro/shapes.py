@@ -175,12 +175,12 @@ class VGG16Shape:
 
     def stage_activation_bytes(self, start: int, stop: int, batch: int, element: int = 4, mask: int = 1,
                                keep_input: bool = False) -> int:
-        """Bytes layers start..stop-1 save for backward at `batch` images, as distinct storages (the same
-        autograd formulas as `activation_bytes`): a convolution, a max-pool, an average pool to more than
-        1x1 and a linear save their input; a ReLU its output (in place or not: one storage either way, as
-        the convolution before it saves none of its own output); a max-pool its int64 indices; a
-        dropout with p > 0 a mask and a new output, with p = 0 it returns its input, as flatten returns
-        a view. A stage after the first receives its input as a new tensor (saved by its first layer if
+        """Bytes layers start..stop-1 save for backward at `batch` images, as distinct storages (PyTorch's
+        autograd formulas, tools/autograd/derivatives.yaml): a convolution, a max-pool, an average pool to
+        more than 1x1 (to 1x1 torch takes a mean, which saves nothing) and a linear save their input; a
+        ReLU its output (in place or not: one storage either way, as the convolution before it saves none
+        of its own output); a max-pool its int64 indices; a dropout with p > 0 a mask of `mask` bytes per
+        element and a new output, with p = 0 it returns its input, as flatten returns a view. A stage after the first receives its input as a new tensor (saved by its first layer if
         that layer saves its input, or always with `keep_input`: torchgpipe's checkpoint keeps it); the
         first stage's input is the image batch; the last stage also holds the loss (`loss_bytes`)."""
         layers, sizes, saved = self.layers(), {}, set()
