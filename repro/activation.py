@@ -68,6 +68,11 @@ class Counter:
             self.spent_ns += time.perf_counter_ns() - started
         return saved
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether a saved tensor still held shares `tensor`'s storage."""
+        with self.lock:
+            return (str(tensor.device), tensor.untyped_storage().data_ptr()) in self.held
+
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Saved) else packed
@@ -99,7 +104,8 @@ class PartitionCounters:
     the thread's current one. A saved tensor counts to its thread's current partition: torchgpipe's
     checkpointed micro-batches save their input just after the partition's forward returns, and a
     recomputation during backward runs the partition's forward again. Tensors saved on the thread
-    that opened `hooks()` before any partition ran there (the loss) count to the last partition.
+    that opened `hooks()` before any partition ran there count to the partition already holding their
+    storage (torchgpipe's Recompute saves the input its Checkpoint saved), else to the last one (the loss).
     """
 
     def __init__(self, partitions: Sequence[nn.Module]):
@@ -116,7 +122,13 @@ class PartitionCounters:
         self.local.current = index
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        return self.counters[getattr(self.local, "current", -1)].pack(tensor)
+        current = getattr(self.local, "current", -1)
+        if current == -1:
+            # outside any partition: torchgpipe's Recompute saves a checkpointed micro-batch's input on the
+            # main thread (Pipeline.compute's finalize), the storage its partition's Checkpoint already
+            # holds on that partition's device; what no partition holds (the loss) is the last one's
+            current = next((index for index, counter in enumerate(self.counters) if counter.holds(tensor)), -1)
+        return self.counters[current].pack(tensor)
 
     @property
     def spent_ns(self) -> int:

@@ -156,7 +156,7 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
             if entry["row"] == "megatron-intra" and p.estimated_peak is not None:
                 intra[entry["gpus"]] = p.estimated_peak
             fits = [name for name, size in devices.items() if p.fit_bytes <= size * 2**30]
-            note = "" if p.estimated_peak is not None else " (by model state: activations not modelled)"
+            note = "" if p.estimated_peak is not None else " (by model state: activations not predicted on this device)"
             click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{gib(p.model_state):>9}{gib(p.activations):>9}"
                        f"{gib(p.estimated_peak):>9}{p.comm_bytes / 2**20:>10.1f}  {', '.join(fits) or 'none'}{note}")
         if len(intra) >= 3:

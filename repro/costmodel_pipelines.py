@@ -3,7 +3,7 @@ PipeDream. Per stage the layers it holds; per step what crosses each cut between
 """
 from __future__ import annotations
 
-from typing import Any
+import heapq
 
 from repro.costmodel_terms import (
     ACTIVATION_ELEMENT, FP32, Cell, Prediction, even_balance, optimizer_bytes, split,
@@ -18,7 +18,8 @@ def torchgpipe(cell: Cell) -> Prediction:
     """torchgpipe (one process, k partitions): per partition the layers it holds, their `.grad` and
     optimizer state (the busiest partition); every micro-batch hands its activation across each
     boundary and its gradient back, chunks_per_gpu x k micro-batches of batch_per_gpu samples; a
-    partition's count holds both of its boundaries (repro.communication.BoundaryCounter)."""
+    partition's count holds both of its boundaries (repro.communication.BoundaryCounter). Activations:
+    `gpipe_activations`, on CPU stand-ins."""
     layers, k = cell.shape.layer_tensors(), cell.gpus
     if len(layers) < k:
         raise ValueError(f"torchgpipe: {len(layers)} layers cannot fill {k} partitions")
@@ -34,7 +35,78 @@ def torchgpipe(cell: Cell) -> Prediction:
     crossing = [FP32 * chunks * elements for elements in cut_outputs(cell.shape, balance, cell.batch_per_gpu)]
     joined = max(sum(stage_cuts(crossing, stage)) for stage in range(k))
     comm = {"boundary:activation": joined, "boundary:gradient": joined} if k > 1 else {}
-    return Prediction(FP32 * busiest, FP32 * busiest, optimizer_bytes(cell, busiest, tensors), None, comm)
+    # on GPUs each device's autograd thread recomputes as gradients arrive: an order set by timing, not modelled
+    held = gpipe_activations(cell, balance, chunks) if cell.device == "cpu" else None
+    return Prediction(FP32 * busiest, FP32 * busiest, optimizer_bytes(cell, busiest, tensors), held, comm)
+
+
+CHECKPOINTED = {"always": lambda m: m, "except_last": lambda m: m - 1, "never": lambda m: 0}  # torchgpipe/gpipe.py
+
+
+def gpipe_activations(cell: Cell, sizes: list[int], m: int) -> int:
+    """The busiest partition's activation peak under torchgpipe, all partitions driven by one process
+    on CPU stand-ins (torchgpipe/pipeline.py, checkpoint.py, dependency.py, worker.py).
+
+    Forward: a checkpointed micro-batch (the first m - 1 with `except_last`) runs under no_grad and
+    keeps only its input (Checkpoint saves it); the others keep everything; the loss, on the
+    gathered output of the whole batch, counts to the last partition.
+    Backward: the loss goes first, then a checkpointed micro-batch is recomputed (Recompute.backward,
+    which keeps its activations until its Checkpoint.backward) as soon as its output's gradient has
+    arrived and, where `depend` ties micro-batch i - 1 behind i, micro-batch i + 1 of that partition
+    is done. `depend` forks from the previous micro-batch's output and joins into the input: an
+    integer input (GPT-2's token ids) cannot carry it, so the first partition's micro-batches are
+    not ordered. Autograd's CPU queue runs the node with the highest sequence number first, and
+    sequence numbers count per thread: Recompute's nodes come from the main thread (Pipeline.compute's
+    finalize), so every ready recomputation runs before any partition's backward, which come from the
+    one worker thread of all CPU partitions in creation order, micro-batch i of partition j at clock
+    i + j, partitions in order within a clock (`clock_cycles`): the latest first. So one partition
+    recomputes all of its micro-batches at once where nothing orders them (one partition: every
+    micro-batch's activations at the same time)."""
+    k, b = len(sizes), cell.batch_per_gpu
+    element = ACTIVATION_ELEMENT[cell.precision]
+    mask = element if cell.device == "cpu" else 1
+    starts = [sum(sizes[:j]) for j in range(k + 1)]
+    outputs = cell.shape.output_elements(b)
+    first_view = cell.shape.batch_views(b)[0]
+    full = [cell.shape.stage_activation_bytes(starts[j], starts[j + 1], b, element, mask, keep_input=True) for j in range(k)]
+    full[0] -= first_view  # the micro-batch's input is a view of the whole batch: held once
+    full[-1] -= cell.shape.loss_bytes(b)  # the loss runs outside the partitions, on the whole batch
+    kept = [0] + [element * outputs[starts[j] - 1] for j in range(1, k)]  # a checkpointed micro-batch's input
+    once = [cell.shape.batch_views(m * b)[0]] + [0] * (k - 1)
+    checkpointed = CHECKPOINTED[cell.option("checkpoint", "except_last")](m)
+    ordered = [j > 0 or not isinstance(cell.shape, GPT2Shape) for j in range(k)]
+
+    holding = [[kept[j] if i < checkpointed else full[j] for i in range(m)] for j in range(k)]
+    total = [sum(column) + once[j] for j, column in enumerate(holding)]
+    peak = total[:-1] + [total[-1] + cell.shape.loss_bytes(m * b)]  # the end of the forward
+    arrived, done, queued, ready = {(i, k - 1) for i in range(m)}, set(), set(), []
+    left = [m] * k  # micro-batches whose backward has not run: any of them keeps the batch's storage
+
+    def release(i: int, j: int) -> None:
+        """Micro-batch i of partition j is ready for its backward: recomputed (or never checkpointed)."""
+        if (i, j) in arrived and (i, j) not in queued and (not ordered[j] or i == m - 1 or (i + 1, j) in done):
+            queued.add((i, j))
+            total[j] += full[j] - holding[j][i]
+            holding[j][i] = full[j]
+            peak[j] = max(peak[j], total[j])
+            heapq.heappush(ready, (-(i + j), -j, i))
+
+    for i in range(m):
+        release(i, k - 1)
+    while ready:  # the latest-created backward first
+        _, negative_j, i = heapq.heappop(ready)
+        j = -negative_j
+        done.add((i, j))
+        total[j] -= holding[j][i]
+        holding[j][i], left[j] = 0, left[j] - 1
+        if not left[j]:
+            total[j] -= once[j]
+        if j:
+            arrived.add((i, j - 1))
+            release(i, j - 1)
+        if i:
+            release(i - 1, j)
+    return max(peak)
 
 
 def cut_outputs(shape: GPT2Shape | VGG16Shape, sizes: list[int], batch: int) -> list[int]:
@@ -74,7 +146,9 @@ def torch_pipeline(cell: Cell) -> Prediction:
     crosses every cut forward and its gradient crosses back, whatever the micro-batch count: a rank
     sends and receives, per stage, what its cuts carry (`stage_cuts`). Then the tied weight's gradient
     is all-reduced between the first and the last rank, and one fp32 (the sum of squared gradient
-    norms, for the optimizer's global clip) over all ranks; with one rank nothing is sent."""
+    norms, for the optimizer's global clip) over all ranks; with one rank nothing is sent. Activations:
+    the busiest rank's peak over its stages' micro-batches in flight (`schedule_actions`, `peak_held`),
+    micro-batches of the global batch cut into `microbatches`."""
     schedule = cell.option("schedule", "1f1b")
     per_rank = cell.option("stages_per_rank", None) or (2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1)
     count, ranks = cell.gpus * per_rank, cell.gpus
@@ -86,34 +160,99 @@ def torch_pipeline(cell: Cell) -> Prediction:
         crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu * cell.gpus)]
         moved = max(sum(sum(stage_cuts(crossing, stage)) for stage in range(rank, count, ranks)) for rank in range(ranks))
         comm = {"send": moved, "recv": moved, "all_reduce": FP32 * (cell.shape.tied_elements() + 1)}
+    whole = cell.batch_per_gpu * cell.gpus
     micro = cell.option("microbatches", None) or 2 * cell.gpus
-    in_flight = {"1f1b": lambda stage: min(micro, count - stage), "gpipe": lambda stage: micro}.get(schedule)
-    held = None
-    if in_flight and isinstance(cell.shape, GPT2Shape):
-        held = stage_activations(cell, sizes, cell.batch_per_gpu * cell.gpus // micro, in_flight, cell.batch_per_gpu * cell.gpus)
+    per_micro, once, tails = stage_activations(cell, sizes, whole // micro, whole)
+    held = max(peak_held(schedule_actions(schedule, rank, ranks, per_rank, micro), per_micro, once, tails)
+               for rank in range(ranks))
     return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), held, comm)
 
 
-def stage_activations(cell: Cell, sizes: list[int], batch: int, in_flight: Any, whole: int | None = None) -> int:
-    """The busiest stage's activations: what its layers save for backward at `batch` samples (the
-    GPT-2 block of docs/memory.md), times the micro-batches it holds in flight at its peak,
-    `in_flight(stage)` (1F1B: min(M, S - s), Narayanan et al. 2021; GPipe: all M; PipeDream: S - s).
-    `whole`: micro-batches cut from a batch of `whole` samples are views, and the first layer's token
-    ids and the loss's targets saved from them keep the whole batch's storage (counted once)."""
+def schedule_actions(schedule: str, rank: int, ranks: int, per_rank: int, micro: int) -> list[tuple[str, int]]:
+    """Rank `rank`'s compute actions up to its activation peak, or all of them (`looped_actions`): 1F1B's
+    stage s holds min(M, S - s) micro-batches at its peak (Narayanan et al. 2021), GPipe's all M."""
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        return looped_actions(rank, ranks, per_rank, micro, schedule == "zero-bubble")
+    return [("F", rank)] * (min(micro, ranks - rank) if schedule == "1f1b" else micro)
+
+
+def stage_activations(cell: Cell, sizes: list[int], batch: int, whole: int | None = None) -> tuple[list[int], dict[int, int], list[int]]:
+    """What each stage of `sizes` layers saves for backward per micro-batch of `batch` samples
+    (shapes' `stage_activation_bytes`: docs/memory.md); what a stage holds once while any of its
+    micro-batches is held: with `whole`, micro-batches cut from a batch of `whole` samples are views,
+    and the first layer's input and the loss's targets saved from them keep the whole batch's storage;
+    and the part of each micro-batch's bytes that the layers after the stage's last layer with
+    parameters save (the last stage: the loss), which an input-only backward frees (`peak_held`)."""
     element = ACTIVATION_ELEMENT[cell.precision]
-    per_layer = cell.shape.layer_activations(batch, element, element if cell.device == "cpu" else 1)
-    start, most = 0, 0
-    for stage, size in enumerate(sizes):
-        held = sum(per_layer[start : start + size]) * in_flight(stage)
-        if whole is not None:
-            views = cell.shape.batch_views(batch)
-            whole_views = cell.shape.batch_views(whole)
-            if stage == 0:
-                held += whole_views[0] - views[0] * in_flight(stage)
-            if stage == len(sizes) - 1:
-                held += whole_views[1] - views[1] * in_flight(stage)
-        most, start = max(most, held), start + size
+    mask = element if cell.device == "cpu" else 1
+    starts = [sum(sizes[:stage]) for stage in range(len(sizes) + 1)]
+    weights = [sum(layer) for layer in cell.shape.layer_tensors()]
+
+    def saved(start: int, stop: int) -> int:
+        return cell.shape.stage_activation_bytes(start, stop, batch, element, mask)
+
+    per_micro = [saved(starts[s], starts[s + 1]) for s in range(len(sizes))]
+    tails = []
+    for s in range(len(sizes)):
+        last = max((index for index in range(starts[s], starts[s + 1]) if weights[index]), default=starts[s] - 1)
+        tails.append(per_micro[s] - saved(starts[s], last + 1) + (cell.shape.loss_bytes(batch) if s == len(sizes) - 1 else 0))
+    once: dict[int, int] = {}
+    if whole is not None:
+        views, whole_views = cell.shape.batch_views(batch), cell.shape.batch_views(whole)
+        for stage, index in ((0, 0), (len(sizes) - 1, 1)):
+            per_micro[stage] -= views[index]
+            once[stage] = once.get(stage, 0) + whole_views[index]
+        tails[-1] -= views[1]
+    return per_micro, once, tails
+
+
+def peak_held(actions: list[tuple[str, int]], per_micro: list[int], once: dict[int, int], tails: list[int]) -> int:
+    """The most bytes a rank holds over its compute `actions` in order: a forward ("F") adds a micro-batch
+    of its stage; a full backward ("B") or a weight backward ("W") frees one; an input backward ("I")
+    frees only its tail (torch's stage_backward_input computes the input gradient with
+    retain_graph=True, keeps the nodes where the weights' gradients branch off, and all below them,
+    for the weight backward, and detaches the stage's output, so the nodes above them go:
+    torch/distributed/pipelining/_backward.py)."""
+    held: dict[int, int] = {}
+    halved: dict[int, int] = {}  # micro-batches whose input backward ran and weight backward not yet
+    most = 0
+    for kind, stage in actions:
+        held[stage] = held.get(stage, 0) + {"F": 1, "B": -1, "W": -1, "I": 0}[kind]
+        halved[stage] = halved.get(stage, 0) + {"I": 1, "W": -1}.get(kind, 0)
+        most = max(most, sum(n * per_micro[s] - halved[s] * tails[s] + (once.get(s, 0) if n else 0) for s, n in held.items()))
     return most
+
+
+def looped_actions(rank: int, ranks: int, local: int, micro: int, zero_bubble: bool) -> list[tuple[str, int]]:
+    """The compute actions of `rank` in order under torch's interleaved schedules, `local` stages a rank
+    (stage l x ranks + rank), as torch/distributed/pipelining/schedules.py orders them:
+    ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble's `_calculate_single_rank_operations`,
+    `_get_warmup_ops` and `_get_1f1b_rank_ops`. Micro-batches go in rounds of `per_round`; the warm-up
+    runs (local - 1) rounds of forwards plus 2 per rank after this one (zero bubble: 1); then one
+    forward and one backward a step until every forward has run, then the remaining backwards. Zero
+    bubble splits each backward into its input part (I) and, from the rank's (rank + 1)th backward on,
+    one weight part (W) of the oldest pending backward after it; the rest at the end."""
+    rounds = max(1, micro // ranks)
+    per_round, total = micro // rounds, micro * local
+    warmup = min((local - 1) * per_round + (1 if zero_bubble else 2) * (ranks - 1 - rank), total)
+
+    def forward_stage(step: int) -> int:
+        return step // per_round % local * ranks + rank
+
+    def backward_stage(step: int) -> int:
+        return (local - 1 - (step - warmup) // per_round % local) * ranks + rank
+
+    actions = [("F", forward_stage(step)) for step in range(warmup)]
+    pending: list[int] = []  # stages of input backwards whose weight backward has not run
+    for step in range(warmup, total + warmup):
+        if step < total:
+            actions.append(("F", forward_stage(step)))
+        actions.append(("I" if zero_bubble else "B", backward_stage(step)))
+        if zero_bubble:
+            pending.append(backward_stage(step))
+            if step - warmup >= rank:
+                actions.append(("W", pending.pop(0)))
+    return actions + [("W", stage) for stage in pending]
 
 
 def pipedream(cell: Cell) -> Prediction:
@@ -138,7 +277,7 @@ def pipedream(cell: Cell) -> Prediction:
         send = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s < stages - 1 else 0) for s in range(stages))
         recv = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s > 0 else 0) for s in range(stages))
         comm = {"send": send, "recv": recv}
-    held = None
-    if isinstance(cell.shape, GPT2Shape):
-        held = stage_activations(cell, sizes, cell.batch_per_gpu, lambda stage: stages - stage)
+    # in flight on stage s at its peak: S - s mini-batches of their own (no views of a shared batch)
+    per_micro, _, _ = stage_activations(cell, sizes, cell.batch_per_gpu)
+    held = max((stages - stage) * per_micro[stage] for stage in range(stages))
     return Prediction(weights, grads, optimizer, held, comm)

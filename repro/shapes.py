@@ -80,6 +80,21 @@ class GPT2Shape:
         embedding = INT64 * (n + self.seq_len) + masked
         return [embedding, *([block] * (self.n_layer if layers is None else layers)), head]
 
+    def stage_activation_bytes(self, start: int, stop: int, batch: int, element: int = 4, mask: int = 1,
+                               keep_input: bool = False) -> int:
+        """Bytes layers start..stop-1 save for backward at `batch` sequences (`layer_activations`, in closed
+        form): every layer saves its own input, so a stage's received input is counted by its first layer
+        (`keep_input` changes nothing)."""
+        embedding, block, head = self.layer_activations(batch, element, mask, layers=1)
+        blocks = max(0, min(stop, self.n_layer + 1) - max(start, 1))
+        return (embedding if start == 0 else 0) + blocks * block + (head if stop == self.n_layer + 2 else 0)
+
+    def loss_bytes(self, batch: int) -> int:
+        """What the loss saves (in the head's `layer_activations`): the fp32 log-softmax, the int64
+        targets and the total weight."""
+        tokens = batch * self.seq_len
+        return 4 * tokens * self.vocab + INT64 * tokens + 4
+
     def stage_starts(self) -> list[bool]:
         return [True] * (self.n_layer + 2)
 
@@ -141,7 +156,7 @@ class VGG16Shape:
                 layers += [("conv", [(width, channels * 9), (width, 1)], out), ("relu", [], out)]
                 channels = width
         last, hidden = channels * self.pool_size**2, self.classifier_width
-        layers += [("pool", [], last), ("flatten", [], last)]
+        layers += [("avgpool", [], last), ("flatten", [], last)]
         for width, inputs in ((hidden, last), (hidden, hidden)):
             layers += [("linear", [(width, inputs), (width, 1)], width), ("relu", [], width), ("dropout", [], width)]
         layers.append(("linear", [(self.classes, hidden), (self.classes, 1)], self.classes))
@@ -158,32 +173,53 @@ class VGG16Shape:
     def tied_elements(self) -> int:
         return 0
 
+    def stage_activation_bytes(self, start: int, stop: int, batch: int, element: int = 4, mask: int = 1,
+                               keep_input: bool = False) -> int:
+        """Bytes layers start..stop-1 save for backward at `batch` images, as distinct storages (PyTorch's
+        autograd formulas, tools/autograd/derivatives.yaml): a convolution, a max-pool, an average pool to
+        more than 1x1 (to 1x1 torch takes a mean, which saves nothing) and a linear save their input; a
+        ReLU its output (in place or not: one storage either way, as the convolution before it saves none
+        of its own output); a max-pool its int64 indices; a dropout with p > 0 a mask of `mask` bytes per
+        element and a new output, with p = 0 it returns its input, as flatten returns a view. A stage after the first receives its input as a new tensor (saved by its first layer if
+        that layer saves its input, or always with `keep_input`: torchgpipe's checkpoint keeps it); the
+        first stage's input is the image batch; the last stage also holds the loss (`loss_bytes`)."""
+        layers, sizes, saved = self.layers(), {}, set()
+        root = ("input", start)
+        sizes[root] = element * batch * (layers[start - 1][2] if start else 3 * self.image_size**2)
+        if keep_input:
+            saved.add(root)
+        for index in range(start, stop):
+            kind, _, out = layers[index]
+            if kind in ("conv", "pool", "linear") or (kind == "avgpool" and self.pool_size > 1):
+                saved.add(root)
+            if kind == "pool":
+                sizes[("indices", index)] = INT64 * batch * out
+                saved.add(("indices", index))
+            if kind == "dropout" and self.dropout:
+                sizes[("mask", index)] = mask * batch * out
+                saved.add(("mask", index))
+            if kind == "flatten" or (kind == "dropout" and not self.dropout):
+                continue  # the output is the input's storage
+            root = ("output", index)
+            sizes[root] = element * batch * out
+            if kind == "relu":
+                saved.add(root)
+        loss = self.loss_bytes(batch) if stop == len(layers) else 0
+        return sum(sizes[key] for key in saved) + loss
+
+    def loss_bytes(self, batch: int) -> int:
+        """What the loss saves: the fp32 log-softmax, the int64 targets and the total weight."""
+        return 4 * batch * self.classes + INT64 * batch + 4
+
+    def batch_views(self, batch: int) -> tuple[int, int]:
+        """Bytes of what the first layer saves of the input batch (the fp32 images) and the loss of the
+        targets (int64): micro-batches cut from a batch are views of its storage."""
+        return 4 * batch * 3 * self.image_size**2, INT64 * batch
+
     def activation_bytes(self, batch: int, element: int = 4, mask: int = 1) -> int:
-        """Bytes saved for backward at `batch` images, at the end of the forward (PyTorch's autograd
-        formulas, tools/autograd/derivatives.yaml): each convolution its input; a ReLU its output, the same
-        storage the next layer saves (in place, or the only reference when out of place); a max-pool
-        its input (the ReLU's output) and int64 indices of its output; the average pool its input (not
-        to a 1x1 output, which torch computes as a mean that saves nothing), the first linear its output;
-        each linear its input; with dropout a mask of `mask` bytes per element and a new output per
-        dropout; the loss its fp32 log-softmax, int64 targets and one total weight. The image batch
-        itself is the first convolution's input."""
-        side, channels = self.image_size, 3
-        floats, indices = channels * side * side, 0  # per image
-        for width in self.widths():
-            if width == "M":
-                side //= 2
-                indices += channels * side * side
-                floats += channels * side * side  # the pool's output, the next layer's input
-            else:
-                channels = width
-                floats += channels * side * side  # the ReLU's output
-        if self.pool_size == 1:
-            floats -= channels * side * side  # the last pool's output: the mean saves nothing
-        hidden = self.classifier_width
-        floats += channels * self.pool_size**2 + 2 * hidden  # pooled features; two hidden layers
-        dropped = 2 * hidden if self.dropout else 0
-        floats += dropped  # each dropout's new output
-        return (batch * (element * floats + INT64 * indices + mask * dropped) + 4 * batch * self.classes + INT64 * batch + 4)
+        """Bytes saved for backward at `batch` images, at the end of the forward: every layer's
+        (`stage_activation_bytes`), the image batch itself the first convolution's input."""
+        return self.stage_activation_bytes(0, len(self.layers()), batch, element, mask)
 
 
 def shape_of(workload: str, model: Any, dataset: str) -> GPT2Shape | VGG16Shape:

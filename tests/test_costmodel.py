@@ -1,10 +1,11 @@
 """The cost model (repro.costmodel) against the counters: model state, activations and communication.
 
 Units: the torch-free shapes (repro.shapes) equal the built modules tensor for tensor, and the model
-imports no torch. Integration: GPT-2 smoke under every modelled framework at 2 and 4 processes on gloo
-(1 where it differs),
-each run's counted figures (epoch event) against the model, within the bounds of costmodel.BOUNDS;
-a different ZeRO bucket or tp degree moves both sides.
+imports no torch. Ranks: GPT-2 smoke (and VGG-16 where its layers differ) under every modelled
+framework at 2 and 4 processes on gloo (1 where it differs), the real training loop in ranks forked
+by the tests' warm launcher, each run's counted figures (epoch event) against the model, within the
+bounds of costmodel.BOUNDS; a different ZeRO bucket or tp degree moves both sides. End to end: one
+cell as a real `repro run`.
 """
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ import sys
 import pytest
 import torch
 
+import ranks
 from conftest import REPO, Repro
 from repro import costmodel, events
 from repro.adapters.torch_pipeline import stage_starts
-from repro.recipe import resolve
+from repro.recipe import Recipe, load_file, recipe_path, resolve
 from repro.runfiles import RUN_FILE
 from repro.shapes import GPT2Shape, VGG16Shape, parameters, tensors
+from repro.warm import fork_server
+from repro.warm import plan as warm_plan
 from repro.workloads.gpt2 import GPT2Spec, build_gpt2
 from repro.workloads.vgg16 import VGG16Spec, build_vgg16
 
@@ -81,8 +85,8 @@ def test_ring_wire_bytes():
 
 
 # -- measured against modelled ----------------------------------------------------------------------
-# (framework, processes, --set overrides): every modelled framework at 2 and 4, and one change of a
-# ZeRO bucket and of a tp degree at the same process count
+# (framework, processes, --set overrides[, workload]): every modelled framework at 2 and 4 processes, and
+# one change of a ZeRO bucket and of a tp degree at the same process count
 CELLS = {
     "ddp-2": ("ddp", 2, []), "ddp-4": ("ddp", 4, []),
     "zero-2": ("zero", 2, []), "zero-4": ("zero", 4, []),
@@ -92,70 +96,87 @@ CELLS = {
     "zero3-4": ("zero", 4, ["zero.stage=3"]), "zero3-4-vgg16": ("zero", 4, ["zero.stage=3"], "vgg16"),
     "megatron-1": ("megatron", 1, []), "megatron-tp2-2": ("megatron", 2, ["megatron.tp=2"]),
     "megatron-tp2-4": ("megatron", 4, ["megatron.tp=2"]), "megatron-tp4-4": ("megatron", 4, ["megatron.tp=4"]),
+    # torchgpipe: one process whatever the partitions; checkpointed micro-batches recomputed in backward
     "torchgpipe-1": ("torchgpipe", 1, []), "torchgpipe-2": ("torchgpipe", 2, []), "torchgpipe-4": ("torchgpipe", 4, []),
     # FSDP2: nothing sent at 1; the LAMB norms of sharded tensors; dim-0 padding (VGG-16's 10-class
     # head on 4 ranks); grad-op gathers once; hybrid adds the replicas' all-reduce
     "fsdp-1": ("fsdp", 1, []), "fsdp-2": ("fsdp", 2, []), "fsdp-4": ("fsdp", 4, []),
     "fsdp-4-vgg16": ("fsdp", 4, [], "vgg16"), "fsdp-4-grad-op": ("fsdp", 4, ["fsdp.sharding=grad-op"]),
     "fsdp-4-hybrid": ("fsdp", 4, ["fsdp.sharding=hybrid"]),
-    # the pipelines: point-to-point at each cut, the tied weight's copy (VGG-16: cuts of other widths)
+    # the pipelines: point-to-point at each cut, the tied weight's copy (VGG-16: cuts of other widths);
+    # the interleaved schedules hold two stages a rank (8 stages: more than GPT-2 smoke's 6 layers with
+    # parameters, so VGG-16 at 4), zero bubble its input-only backwards' graphs
     "torch-pipeline-1": ("torch-pipeline", 1, []), "torch-pipeline-2": ("torch-pipeline", 2, []),
     "torch-pipeline-4": ("torch-pipeline", 4, []), "torch-pipeline-4-vgg16": ("torch-pipeline", 4, [], "vgg16"),
     "torch-pipeline-2-interleaved": ("torch-pipeline", 2, ["torch_pipeline.schedule=interleaved-1f1b"]),
+    "torch-pipeline-2-zero-bubble": ("torch-pipeline", 2, ["torch_pipeline.schedule=zero-bubble"]),
+    "torch-pipeline-4-vgg16-interleaved": ("torch-pipeline", 4, ["torch_pipeline.schedule=interleaved-1f1b"], "vgg16"),
+    "torch-pipeline-4-vgg16-zero-bubble": ("torch-pipeline", 4, ["torch_pipeline.schedule=zero-bubble"], "vgg16"),
     "pipedream-2": ("pipedream", 2, []), "pipedream-4": ("pipedream", 4, []),
     "pipedream-4-vgg16": ("pipedream", 4, [], "vgg16"), "torchgpipe-4-vgg16": ("torchgpipe", 4, [], "vgg16"),
 }
-# the communication counter counts the last warm-up step (the 5th); PipeDream's first stage of 4 holds its
-# steady S - s = 4 weight versions from its 7th forward on
-STEPS = 8
-
-
+# One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
+# counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.
+REAL_RUN = "ddp-2"
+# The communication counter counts the last warm-up step (the 5th), the activation counter the steps
+# before it; PipeDream's first stage of 4 holds its steady S - s = 4 weight versions from its 7th forward on
+STEPS, PIPEDREAM_STEPS = 5, 8
+VALIDATION = "data.max_val_samples=8"  # the epoch's end validates; the counts do not depend on it
 LAUNCH_TIMEOUT_S = 1500  # DeepSpeed JIT-builds its CPU collectives (shm_comm) on first use: minutes on 2 loaded cores
 
 
+def cell_recipe(name: str) -> Recipe:
+    """The recipe `repro run WORKLOAD --framework F --gpus N --scale smoke --max-steps S --set ...` resolves."""
+    framework, gpus, sets, *workload = CELLS[name]
+    steps = PIPEDREAM_STEPS if framework == "pipedream" else STEPS
+    fields = [f"run.framework={framework}", f"run.gpus={gpus}", f"train.max_steps={steps}", VALIDATION, *sets]
+    return load_file(recipe_path(workload[0] if workload else "gpt2", "smoke"), fields)
+
+
 @pytest.fixture(scope="module")
-def checked() -> dict:
-    """name -> (prediction, measured, comparison rows), one run per cell, shared by the module's tests."""
-    return {}
+def checked(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """name -> (prediction, measured, comparison rows), one run per cell, shared by the module's tests;
+    "folder": where the forked cells' run folders go. The fork server of the forked ranks imports every
+    cell's frameworks once (where this module is the first to start it)."""
+    fork_server.preload(warm_plan.preload(cell_recipe(name) for name in CELLS if name != REAL_RUN))
+    return {"folder": tmp_path_factory.mktemp("cells")}
 
 
 def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
     if name not in cache:
-        framework, gpus, sets, *workload = CELLS[name]
-        args = [arg for value in sets for arg in ("--set", value)]
-        result = shared_repro("run", *(workload or ["gpt2"]), "--framework", framework, "--gpus", str(gpus), "--scale", "smoke",
-                              "--max-steps", str(STEPS), "--set", "data.max_val_samples=32", *args,
-                              timeout=LAUNCH_TIMEOUT_S)
-        assert result.returncode == 0, result.stderr[-3000:]
-        written = result.events()
+        recipe = cell_recipe(name)
+        if name == REAL_RUN:
+            framework, gpus, sets, *workload = CELLS[name]
+            args = [arg for value in [VALIDATION, *sets] for arg in ("--set", value)]
+            result = shared_repro("run", *(workload or ["gpt2"]), "--framework", framework, "--gpus", str(gpus),
+                                  "--scale", "smoke", "--max-steps", str(recipe.train.max_steps), *args, timeout=LAUNCH_TIMEOUT_S)
+            assert result.returncode == 0, result.stderr[-3000:]
+            written = result.events()
+            spec = json.loads((result.run_dir / RUN_FILE).read_text())
+            recipe = resolve(spec["recipe"], spec["recipe"]["source"])  # what the command resolved and ran
+        else:
+            written = ranks.train(recipe, cache["folder"] / name)
         (start,) = [e for e in written if e["event"] == events.START]
         # the counters keep their high-water marks from epoch to epoch: the last epoch event holds them all
-        # (VGG-16's 4-GPU epochs are shorter than STEPS: two epoch events)
+        # (VGG-16's 4-GPU epochs are shorter than PipeDream's steps: two epoch events)
         epoch = [e for e in written if e["event"] == events.EPOCH][-1]
-        spec = json.loads((result.run_dir / RUN_FILE).read_text())
-        recipe = resolve(spec["recipe"], spec["recipe"]["source"])
         prediction = costmodel.predict(costmodel.cell_of(recipe, start["adapter"]))
         measured = costmodel.measured_of(epoch["ranks"])
         cache[name] = (prediction, measured, costmodel.compare(prediction, measured))
     return cache[name]
 
 
-@pytest.mark.end_to_end
-@pytest.mark.parametrize("name", list(CELLS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.end_to_end if name == REAL_RUN else pytest.mark.ranks)
+                                  for name in CELLS])
 def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name):
     prediction, measured, rows = check(shared_repro, checked, name)
     assert measured["comm"] is not None and measured["comm_kinds"] == prediction.comm
-    for row in rows:
-        assert row["within"] in (True, None), row
-    assert [row["within"] for row in rows if row["quantity"] != "activations"] == [True, True]
-    if CELLS[name][0] in ("ddp", "zero", "fsdp", "megatron") or name in ("torch-pipeline-1", "torch-pipeline-2", "torch-pipeline-4",
-                                                         "pipedream-2", "pipedream-4"):
-        # data parallelism: the whole model's; Megatron: a tp shard's at the tp group's batch; GPT-2's
-        # pipelines: a stage's in flight
-        assert rows[1]["within"] is True
+    # model state, activations (data parallelism: the whole model's; Megatron: a tp shard's at the tp
+    # group's batch; the pipelines: a stage's in flight) and communication, every one counted and modelled
+    assert [row["within"] for row in rows] == [True, True, True], rows
 
 
-@pytest.mark.end_to_end
+@pytest.mark.ranks
 def test_a_bucket_size_and_a_tp_degree_move_both_sides(shared_repro, checked):
     zero, rebucketed = (check(shared_repro, checked, name) for name in ("zero-4", "zero-4-bucket"))
     assert zero[0].model_state != rebucketed[0].model_state and zero[1]["model_state"] != rebucketed[1]["model_state"]
@@ -192,6 +213,61 @@ def test_vgg16_activations_equal_the_counter(spec, classes, batch):
     loss.backward()
     shape = VGG16Shape.from_model(spec, "digits" if classes == 10 else "imagenet")
     assert counter.peak_bytes == shape.activation_bytes(batch, 4, mask=4)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["in-place", "out-of-place"])
+@pytest.mark.units
+def test_vgg16_stage_activations_equal_the_counter_stage_by_stage(inplace):
+    """Every stage of two splits of the smoke VGG-16, each run on its own as a pipeline runs it: the first
+    on the images, the others on a received tensor; out of place as torchgpipe and PipeDream make ReLU
+    (repro.adapters.pipeline.disable_inplace), whose cuts may fall before a ReLU."""
+    from repro.activation import Counter
+    from repro.adapters.pipeline import disable_inplace
+
+    spec, batch = VGG16Spec(8, 128, 1, 32, 0.0), 4
+    torch.manual_seed(0)
+    model, shape = build_vgg16(spec, 10), VGG16Shape.from_model(spec, "digits")
+    if not inplace:
+        disable_inplace(model)
+    splits = ([19, 4, 5, 12], [5, 12, 14, 9]) if inplace else ([19, 4, 5, 12], [7, 7, 10, 16], [1, 1, 3, 35])
+    for sizes in splits:
+        start = 0
+        for size in sizes:
+            stage, counter = model[start : start + size], Counter()
+            inputs = torch.randn(batch, 3, 32, 32) if start == 0 else torch.randn(
+                batch, *layer_shape(model[:start], batch), requires_grad=True)
+            with counter.hooks():
+                out = stage(inputs)
+                if start + size == len(model):
+                    out = torch.nn.functional.cross_entropy(out, torch.randint(10, (batch,)))
+            assert counter.peak_bytes == shape.stage_activation_bytes(start, start + size, batch), (sizes, start)
+            start += size
+
+
+def layer_shape(layers: torch.nn.Sequential, batch: int) -> tuple[int, ...]:
+    with torch.device("meta"):
+        return tuple(layers(torch.zeros(batch, 3, 32, 32)).shape[1:])
+
+
+@pytest.mark.parametrize("ranks_,micro", [(2, 4), (2, 2), (4, 8), (4, 4), (4, 12)])
+@pytest.mark.parametrize("zero_bubble", [False, True], ids=["interleaved-1f1b", "zero-bubble"])
+@pytest.mark.units
+def test_the_interleaved_schedules_order_is_torchs(ranks_, micro, zero_bubble):
+    """The model's order of each rank's compute actions (costmodel_pipelines.looped_actions) is the one
+    torch's schedule computes for it (bubbles left out)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    from repro.costmodel_pipelines import looped_actions
+
+    schedule = schedules.ScheduleInterleavedZeroBubble if zero_bubble else schedules.ScheduleInterleaved1F1B
+    rounds = max(1, micro // ranks_)
+    plan = SimpleNamespace(n_local_stages=2, pp_group_size=ranks_, _n_microbatches=micro,
+                           number_of_rounds=rounds, microbatches_per_round=micro // rounds)
+    for rank in range(ranks_):
+        theirs = [(a.computation_type.value, a.stage_index) for a in schedule._calculate_single_rank_operations(plan, rank) if a]
+        assert theirs == looped_actions(rank, ranks_, 2, micro, zero_bubble), rank  # F, B, I, W: torch's letters
 
 
 @pytest.mark.units
@@ -239,7 +315,7 @@ def test_the_pipelines_memory_plateau_is_quoted_as_the_models_prediction():
     res = Results([], 2, predict=paper_predictor([]))
     res.workloads = ["gpt2"]
     torchgpipe, pipedream = pipeline_memory_predicted(res, {"rows": ["torchgpipe", "pipedream"], "plateau_ratio": 1.3})
-    assert "no memory prediction" in torchgpipe  # its activations are not modelled
+    assert "no memory prediction" in torchgpipe  # its activations are modelled on CPU stand-ins only
     peaks = [predict_row("gpt2", "pipedream", g).estimated_peak for g in (1, 2, 4)]
     assert peaks[0] / peaks[1] > 1.3 > peaks[1] / peaks[2]  # the model's own figures: a fall, then a flat step
     assert "plateaus from 4 GPUs" in pipedream and f"2 GPUs {peaks[1] / 2**20:.2f} MiB" in pipedream

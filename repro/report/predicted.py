@@ -84,7 +84,7 @@ def pipeline_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
             figures = {g: res.predict(w, row, g) for g in counts}
             memory = {g: p.memory_bytes for g, p in figures.items() if p and p.memory_bytes}
             if len(memory) < 2:
-                notes.append(f"{w} {row} at paper scale: no memory prediction (its activations are not modelled)")
+                notes.append(f"{w} {row} at paper scale: no memory prediction (its activations are not predicted on GPUs)")
                 continue
             gpus = sorted(memory)
             flat = [b for a, b in zip(gpus, gpus[1:]) if memory[a] / memory[b] < t["plateau_ratio"]]
