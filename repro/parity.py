@@ -319,7 +319,9 @@ def explanation(partings: list[Parting]) -> list[str]:
         text = f"{where[0]} at {where[1]} GPUs: largest per-epoch gap from {frameworks[0].reference}'s curve: {gaps}"
         if all(p.first_step is None for p in frameworks):
             text += (" (identical at every step: the frameworks' sums over the ranks agree bit for bit here, "
-                     "so there is no rounding difference to grow)")
+                     "so there is no rounding difference to grow"
+                     + ("; over two ranks each gradient element is one addition, which rounds alike in either order)"
+                        if where[1] == 2 else ")"))
         if control and control.curve_gap is not None:
             worst = max(p.curve_gap for p in frameworks)
             own = [p.framework for p in frameworks if p.first_diff is not None and p.first_diff > p.tolerance]
