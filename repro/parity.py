@@ -219,7 +219,7 @@ class Parting:
     max_diff: float
     final_gap: float | None  # relative gap of the final validation metric
     cause: str
-    curve_gap: float | None = None  # largest relative gap of the validation metric over the epochs (the findings' measure)
+    curve_gap: float | None = None  # largest gap of the validation metric over the epochs, relative to the reference's
     control: bool = False  # the rounding control: differs from the reference only by rounding
 
 
@@ -362,8 +362,8 @@ def markdown(rows: list[Row], steps: int, partings: list[Parting] = ()) -> str:
                   "of rounding size that then grows is rounding growth, not the frameworks. The rounding control "
                   f"(`{CONTROL}`) is the reference's recipe as one process at the same global batch: it differs "
                   "from the reference only in the order of its sums, so its gap is what rounding alone makes. "
-                  "`curve gap` is the largest relative gap of the validation metric over the epochs (the findings' "
-                  "measure of near-identical curves).", "",
+                  "`curve gap` is the largest gap of the validation metric over the epochs, relative to the "
+                  "reference's (the findings judge near-identical curves by such a gap).", "",
                   "| workload | GPUs | framework | against | steps | first differing step | difference there | "
                   "past tolerance at | largest | final metric gap | curve gap | cause |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
