@@ -130,3 +130,34 @@ def test_the_rounding_control_is_one_process_at_the_cells_global_batch_and_expla
     assert explanation([wide, one])[0].endswith("fsdp 66.7%; one process (batch 64), which differs from ddp only in "
                                                 "the order of its sums (first loss difference 1.0e-07 at step 1), "
                                                 "20.0%: 3.3x the gap rounding alone makes.")
+
+@pytest.mark.units
+def test_matrix_partings_read_the_matrix_runs_and_the_rounding_control(tmp_path: Path):
+    """From MLflow: the matrix's ZeRO run against DDP's at 4 GPUs, and the rounding control from the parity
+    experiment, each with its first differing step and its curve gap against DDP's curve."""
+    from repro import events, names, table2, tracking
+    from repro.parity import matrix_partings, rounding_control
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cells = {c.row: c for c in table2.expand(table2.load_matrix(rows=["ddp", "zero"]), "smoke")
+             if c.workload == "vgg16" and c.gpus == 4}
+    ranks = [{"rank": 0, "peak_bytes": 1, "method": "cpu_peak_rss", "parameters": 1, "gradients": 0, "optimizer": 0}]
+
+    def record(experiment: str, fingerprint: str, losses: list[float], val: list[float]) -> None:
+        run = tracking.Run.create(uri, experiment, "run", {names.RECIPE_SHA256: fingerprint}, {})
+        run.log_events([{"event": events.STEP, "wall": 1.0e9, "step": step, "loss": loss}
+                        for step, loss in enumerate(losses, 1)] +
+                       [{"event": events.EPOCH, "wall": 1.0e9, "epoch": epoch, "epoch_s": 1.0, "elapsed_s": epoch + 1.0,
+                         "samples_per_s": 100.0, "val": {names.VAL_ACCURACY: value}, "ranks": ranks}
+                        for epoch, value in enumerate(val)])
+        run.end("FINISHED")
+
+    record("table2-smoke", cells["ddp"].recipe.fingerprint(), [2.3, 2.2, 2.1], [0.30, 0.60])
+    record("table2-smoke", cells["zero"].recipe.fingerprint(), [2.3, 2.2 + 2.4e-7, 2.1 + 1e-3], [0.30, 0.66])
+    record("parity-smoke", rounding_control(cells["ddp"]).fingerprint(), [2.3 + 2.4e-7, 2.2, 2.1 + 1e-2], [0.24, 0.60])
+    zero, control = matrix_partings(uri, "table2-smoke", "smoke", "parity-smoke", gpus=(4,), rows=("zero",),
+                                    execute=False)
+    assert (zero.framework, zero.first_step, zero.beyond_step, zero.control) == ("zero", 2, 3, False)
+    assert zero.curve_gap == pytest.approx(0.1) and zero.final_gap == pytest.approx(0.1)
+    assert (control.framework, control.first_step, control.control) == ("one process (batch 64)", 1, True)
+    assert control.curve_gap == pytest.approx(0.2) and control.max_diff == pytest.approx(1e-2)
