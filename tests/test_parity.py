@@ -83,6 +83,7 @@ def test_vgg16_parity_has_its_own_reduced_model_and_no_megatron():
     assert recipe.optimizer().name == "adam" and recipe.data.max_train_samples == 4 * GLOBAL_BATCH
     assert recipe_for(Config("gpipe", "torchgpipe", 2), "vgg16", "smoke", 4, []).train.batch_per_gpu == 1
     assert not any(name.startswith("megatron") for name in WORKLOAD_CONFIGS["vgg16"])
+    assert recipe_for(Config("fsdp-4", "fsdp", 4), "vgg16", "smoke", 4, []).train.batch_per_gpu == 2
 
 
 @pytest.mark.units
