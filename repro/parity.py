@@ -299,8 +299,8 @@ def matrix_partings(uri: str, experiment: str, scale: str, parity_experiment: st
                                     base_losses, mine.val, base.val, tolerance, (workload, count)))
         if count == max(gpus) and count > 1:
             control = rounding_control(base.cell)
-            if execute:
-                train([control], uri, parity_experiment, out)
+            for why in (train([control], uri, parity_experiment, out) if execute else {}).values():
+                out(f"parity: the rounding control did not run ({why}); the partings go without it")
             run_id = newest_runs(uri, parity_experiment).get(control.fingerprint())
             if run_id:
                 out_rows.append(parting(f"{CONTROL} (batch {control.train.batch_per_gpu})", reference,
