@@ -62,7 +62,8 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
 
         found = [row for model in ("gpt2", "vgg16")
                  for row in parity_module.run_parity(model, scale, uri, f"parity-{scale}", execute=not reports_only)]
-        partings = parity_module.matrix_partings(uri, experiment, scale)
+        partings = parity_module.matrix_partings(uri, experiment, scale, f"parity-{scale}", extra=list(overrides),
+                                                 execute=not reports_only)
         for path in parity_module.write(found, reports, parity_module.STEPS, partings):
             click.echo(str(path))
     for path in write_reports(cells, uri, experiment, reports, scale):

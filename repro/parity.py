@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from repro import names, registry
+from repro.cell import Cell
 from repro.recipe import Recipe, load_file, recipe_path, section_key
 from repro.schema import RecipeError
 
@@ -32,8 +33,11 @@ SMALL = {  # each workload's reduced model: still enough layers for 2 pipeline s
     "vgg16": ("model.width_div=16", "model.classifier_width=32"),  # all 16 layers, 4 to 32 channels
 }
 # VGG-16 has no transformer layers: Megatron does not apply, and the pipelines are compared through
-# torchgpipe (the paper's synchronous pipeline); every data-parallel framework is compared
-WORKLOAD_CONFIGS = {"gpt2": None, "vgg16": ("ddp-2", "ddp-4", "zero-1", "zero-2", "zero-3", "fsdp-2", "torchgpipe-2")}
+# torchgpipe (the paper's synchronous pipeline); every data-parallel framework is compared, FSDP also at
+# 4 GPUs, where the matrix's VGG-16 curves part (ZeRO at 4 is compared there step by step, by
+# matrix_partings: 4 DeepSpeed ranks took about 100 s to start here under load, for 4 steps)
+FOUR_GPUS = ("fsdp-4",)  # not in GPT-2's default set (its matrix compares no data-parallel curves at equal settings)
+WORKLOAD_CONFIGS = {"vgg16": ("ddp-2", "ddp-4", "zero-1", "zero-2", "zero-3", "fsdp-2", "fsdp-4", "torchgpipe-2")}
 ADAM = {"name": "adam", "lr": 0.001, "weight_decay": 0.0}  # PyTorch's Adam for all; LBANN's own differs (docs/lbann.md)
 SGD = {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "momentum": 0.9}
 # largest per-step training-loss difference accepted, by (device type, precision). The GPU bands
@@ -57,6 +61,7 @@ CONFIGS = (
     Config("ddp-4", "ddp", 4),
     *(Config(f"zero-{stage}", "zero", 2, (f"zero.stage={stage}",)) for stage in (1, 2, 3)),
     Config("fsdp-2", "fsdp", 2),
+    Config("fsdp-4", "fsdp", 4),
     Config("megatron-tp2", "megatron", 2, ("megatron.tp=2",)),
     Config("megatron-tp2-dp2", "megatron", 4, ("megatron.tp=2",)),
     Config("torchgpipe-2", "torchgpipe", 2),
@@ -115,16 +120,23 @@ def tolerance_for(recipe: Recipe) -> float:
     return TOLERANCE.get((device, recipe.train.precision), TOLERANCE[("cuda", "bf16")])
 
 
-def newest_losses(uri: str, experiment: str) -> Callable[[Recipe], list[float] | None]:
-    """recipe -> training losses of the newest finished run of that fingerprint (None: none)."""
-    from repro.report.collect import history, search_runs
-    from repro.tracking import client
+def newest_runs(uri: str, experiment: str) -> dict[str, str]:
+    """recipe fingerprint -> run id of its newest finished run."""
+    from repro.report.collect import search_runs
 
     newest = {}
     for run in search_runs(uri, experiment):  # newest first
         if run.info.status == "FINISHED":
             newest.setdefault(run.data.tags.get(names.RECIPE_SHA256), run.info.run_id)
-    mlflow_client = client(uri)
+    return newest
+
+
+def newest_losses(uri: str, experiment: str) -> Callable[[Recipe], list[float] | None]:
+    """recipe -> training losses of the newest finished run of that fingerprint (None: none)."""
+    from repro.report.collect import history
+    from repro.tracking import client
+
+    newest, mlflow_client = newest_runs(uri, experiment), client(uri)
 
     def losses(recipe: Recipe) -> list[float] | None:
         run_id = newest.get(recipe.fingerprint())
@@ -162,7 +174,7 @@ def run_parity(workload: str, scale: str, uri: str, experiment: str, steps: int 
                out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> list[Row]:
     """Train (unless `execute` is False) and compare every configuration; one Row each."""
     names = names or WORKLOAD_CONFIGS.get(workload)
-    configs = [c for c in CONFIGS if not names or c.name in names]
+    configs = [c for c in CONFIGS if c.name in names] if names else [c for c in CONFIGS if c.name not in FOUR_GPUS]
     rows, planned = [], []
     for config in configs:
         absence = registry.framework(config.framework).absence()
@@ -211,18 +223,24 @@ class Parting:
     max_diff: float
     final_gap: float | None  # relative gap of the final validation metric
     cause: str
+    curve_gap: float | None = None  # largest gap of the validation metric over the epochs, relative to the reference's
+    control: bool = False  # the rounding control: differs from the reference only by rounding
 
 
-def parting(name: str, reference_name: str, losses: list[float], reference: list[float], val: float | None,
-            reference_val: float | None, tolerance: float, where: tuple[str, int]) -> Parting:
+def relative_gaps(val: list[float], reference_val: list[float]) -> list[float]:
+    return [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(val, reference_val)]
+
+
+def parting(name: str, reference_name: str, losses: list[float], reference: list[float], val: list[float],
+            reference_val: list[float], tolerance: float, where: tuple[str, int], control: bool = False) -> Parting:
     """The first step where two loss curves part and how: runs of equal settings whose first
     difference is of rounding size (within the tolerance that one process and the framework share
     in the parity table) and then grows have parted by rounding growth; a first difference already
-    above it is the frameworks' own arithmetic."""
+    above it is the frameworks' own arithmetic. `val`: each run's validation metric per epoch."""
     diffs = [abs(a - b) for a, b in zip(losses, reference)]
     first = next((i for i, d in enumerate(diffs) if d > 0), None)
     beyond = next((i for i, d in enumerate(diffs) if d > tolerance), None)
-    gap = abs(val - reference_val) / abs(reference_val) if val is not None and reference_val else None
+    gaps = relative_gaps(val, reference_val)
     if first is None:
         cause = "identical at every step: no gap to explain"
     elif diffs[first] <= tolerance:
@@ -233,33 +251,96 @@ def parting(name: str, reference_name: str, losses: list[float], reference: list
         cause = f"the frameworks: their first difference, at step {first + 1}, is already {diffs[first]:.1e}"
     return Parting(where[0], where[1], name, reference_name, len(diffs), None if first is None else first + 1,
                    None if first is None else diffs[first], None if beyond is None else beyond + 1, tolerance,
-                   max(diffs, default=0.0), gap, cause)
+                   max(diffs, default=0.0), gaps[-1] if val and len(val) == len(reference_val) else None, cause,
+                   max(gaps, default=None), control)
 
 
-def matrix_partings(uri: str, experiment: str, scale: str, workload: str = "vgg16", gpus: int = 4,
-                    rows: tuple[str, ...] = ("zero", "fsdp"), reference: str = "ddp") -> list[Parting]:
-    """The Table 2 matrix's runs of `rows` against `reference` at `gpus`, step by step over the recipe's
-    epochs, where they train with equal settings (VGG-16: the same Adam, lr and batch for all three)."""
+CONTROL = "one process"  # the rounding control's name in the partings
+
+
+def rounding_control(cell: Cell) -> Recipe:
+    """The cell's recipe as one process at the cell's global batch: the same seed, data order (the
+    loop's GlobalBatches), optimizer and epochs, so it differs from the cell only in the order of its
+    sums (the batch's mean in one process, against per-rank means all-reduced), that is, by rounding."""
+    recipe = cell.recipe
+    batch = registry.adapter_class(recipe.run.framework).global_batch(recipe)
+    return load_file(recipe_path(recipe.workload, recipe.scale),
+                     ["run.framework=ddp", "run.gpus=1", "run.nodes=1", *cell.overrides, f"train.batch_per_gpu={batch}"])
+
+
+def matrix_partings(uri: str, experiment: str, scale: str, parity_experiment: str, workload: str = "vgg16",
+                    gpus: tuple[int, ...] = (2, 4), rows: tuple[str, ...] = ("zero", "fsdp"), reference: str = "ddp",
+                    extra: list[str] = (), execute: bool = True,
+                    out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> list[Parting]:
+    """The Table 2 matrix's runs of `rows` against `reference` at each of `gpus`, step by step over the
+    recipe's epochs (`extra`: the matrix's own overrides), where they train with equal settings (VGG-16:
+    the same Adam, lr and batch for all three); and, at the most GPUs, the rounding control against
+    `reference` (trained in `parity_experiment` unless MLflow holds it or `execute` is False): how far
+    rounding alone moves the curves there."""
     from repro import table2
     from repro.report import settings as run_settings
-    from repro.report.collect import collect, history
+    from repro.report.collect import METRIC, collect, history
     from repro.tracking import client
 
     matrix = table2.load_matrix(rows=[reference, *rows])
-    cells = [c for c in table2.expand(matrix, scale) if c.workload == workload and c.gpus == gpus]
-    found = {r.cell.row: r for r in collect(cells, uri, experiment) if r.ok}
-    if reference not in found:
-        return []
-    mlflow_client, base = client(uri), found[reference]
-    base_losses = history(mlflow_client, base.run_id, names.TRAIN_LOSS)
-    out = []
-    for row in rows:
-        mine = found.get(row)
-        if mine is None or run_settings.differences(mine.settings, base.settings, run_settings.TRAINING):
+    cells = [c for c in table2.expand(matrix, scale, list(extra)) if c.workload == workload and c.gpus in gpus]
+    found = {(r.cell.row, r.cell.gpus): r for r in collect(cells, uri, experiment) if r.ok}
+    mlflow_client, tolerance, out_rows = client(uri), TOLERANCE[("cpu", "fp32")], []
+    for count in gpus:
+        base = found.get((reference, count))
+        if base is None:
             continue
-        out.append(parting(row, reference, history(mlflow_client, mine.run_id, names.TRAIN_LOSS), base_losses,
-                           mine.final_metric, base.final_metric, TOLERANCE[("cpu", "fp32")], (workload, gpus)))
-    return out
+        base_losses = history(mlflow_client, base.run_id, names.TRAIN_LOSS)
+        for row in rows:
+            mine = found.get((row, count))
+            if mine is None or run_settings.differences(mine.settings, base.settings, run_settings.TRAINING):
+                continue
+            out_rows.append(parting(row, reference, history(mlflow_client, mine.run_id, names.TRAIN_LOSS),
+                                    base_losses, mine.val, base.val, tolerance, (workload, count)))
+        if count == max(gpus) and count > 1:
+            control = rounding_control(base.cell)
+            for why in (train([control], uri, parity_experiment, out) if execute else {}).values():
+                out(f"parity: the rounding control did not run ({why}); the partings go without it")
+            run_id = newest_runs(uri, parity_experiment).get(control.fingerprint())
+            if run_id:
+                out_rows.append(parting(f"{CONTROL} (batch {control.train.batch_per_gpu})", reference,
+                                        history(mlflow_client, run_id, names.TRAIN_LOSS), base_losses,
+                                        history(mlflow_client, run_id, METRIC[workload][0]), base.val, tolerance,
+                                        (workload, count), control=True))
+    return out_rows
+
+
+def explanation(partings: list[Parting]) -> list[str]:
+    """One sentence per workload and GPU count: the frameworks' curve gaps against the rounding control's."""
+    lines = []
+    for where in dict.fromkeys((p.workload, p.gpus) for p in partings):
+        here = [p for p in partings if (p.workload, p.gpus) == where]
+        control = next((p for p in here if p.control), None)
+        frameworks = [p for p in here if not p.control and p.curve_gap is not None]
+        if not frameworks:
+            continue
+        gaps = ", ".join(f"{p.framework} {p.curve_gap:.1%}" for p in frameworks)
+        text = f"{where[0]} at {where[1]} GPUs: largest per-epoch gap from {frameworks[0].reference}'s curve: {gaps}"
+        if all(p.first_step is None for p in frameworks):
+            text += (" (identical at every step: the frameworks' sums over the ranks agree bit for bit here, "
+                     "so there is no rounding difference to grow"
+                     + ("; over two ranks each gradient element is one addition, which rounds alike in either order)"
+                        if where[1] == 2 else ")"))
+        if control and control.curve_gap is not None:
+            worst = max(p.curve_gap for p in frameworks)
+            own = [p.framework for p in frameworks if p.first_diff is not None and p.first_diff > p.tolerance]
+            if worst > control.curve_gap:
+                verdict = f"{worst / max(control.curve_gap, 1e-12):.1f}x the gap rounding alone makes"
+            elif own:
+                verdict = (f"within the gap rounding alone makes, though {', '.join(own)} differ(s) by more than "
+                           "rounding from the first differing step")
+            else:
+                verdict = "within the gap rounding alone makes: rounding growth, not the frameworks"
+            text += (f"; {control.framework}, which differs from {control.reference} only in the order of its sums "
+                     f"(first loss difference {control.first_diff or 0:.1e} at step {control.first_step or '-'}), "
+                     f"{control.curve_gap:.1%}: {verdict}")
+        lines.append(text + ".")
+    return lines
 
 
 def markdown(rows: list[Row], steps: int, partings: list[Parting] = ()) -> str:
@@ -282,14 +363,20 @@ def markdown(rows: list[Row], steps: int, partings: list[Parting] = ()) -> str:
         lines += ["", "## The matrix's runs at equal settings, step by step over the recipe's epochs", "",
                   "Where the Table 2 runs of two frameworks train alike (same optimizer, lr, batch, seed and data "
                   "order), the step where their training losses first differ, and by how much; a first difference "
-                  "of rounding size that then grows is rounding growth, not the frameworks.", "",
+                  "of rounding size that then grows is rounding growth, not the frameworks. The rounding control "
+                  f"(`{CONTROL}`) is the reference's recipe as one process at the same global batch: it differs "
+                  "from the reference only in the order of its sums, so its gap is what rounding alone makes. "
+                  "`curve gap` is the largest gap of the validation metric over the epochs, relative to the "
+                  "reference's (the findings judge near-identical curves by such a gap).", "",
                   "| workload | GPUs | framework | against | steps | first differing step | difference there | "
-                  "past tolerance at | largest | final metric gap | cause |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "past tolerance at | largest | final metric gap | curve gap | cause |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in partings:
             show = lambda v, f: "-" if v is None else format(v, f)
             lines.append(f"| {p.workload} | {p.gpus} | {p.framework} | {p.reference} | {p.steps} | {show(p.first_step, 'd')} "
                          f"| {show(p.first_diff, '.1e')} | {show(p.beyond_step, 'd')} | {p.max_diff:.1e} "
-                         f"| {show(p.final_gap, '.1%')} | {p.cause} |")
+                         f"| {show(p.final_gap, '.1%')} | {show(p.curve_gap, '.1%')} | {p.cause} |")
+        lines += ["", *(f"- {line}" for line in explanation(partings))]
     return "\n".join(lines) + "\n"
 
 

@@ -83,6 +83,7 @@ def test_vgg16_parity_has_its_own_reduced_model_and_no_megatron():
     assert recipe.optimizer().name == "adam" and recipe.data.max_train_samples == 4 * GLOBAL_BATCH
     assert recipe_for(Config("gpipe", "torchgpipe", 2), "vgg16", "smoke", 4, []).train.batch_per_gpu == 1
     assert not any(name.startswith("megatron") for name in WORKLOAD_CONFIGS["vgg16"])
+    assert recipe_for(Config("fsdp-4", "fsdp", 4), "vgg16", "smoke", 4, []).train.batch_per_gpu == 2
 
 
 @pytest.mark.units
@@ -90,12 +91,74 @@ def test_parting_tells_rounding_growth_from_the_frameworks():
     from repro.parity import parting
 
     reference = [2.30, 2.20, 2.10, 2.00, 1.90]
-    rounding = parting("zero", "ddp", [2.30, 2.20 + 2e-7, 2.10 + 3e-6, 2.00 + 4e-4, 1.95], reference, 0.50, 0.45,
-                       1e-5, ("vgg16", 4))
+    rounding = parting("zero", "ddp", [2.30, 2.20 + 2e-7, 2.10 + 3e-6, 2.00 + 4e-4, 1.95], reference, [0.40, 0.50],
+                       [0.20, 0.45], 1e-5, ("vgg16", 4))
     assert (rounding.first_step, rounding.beyond_step, rounding.steps) == (2, 4, 5)
     assert rounding.first_diff == pytest.approx(2e-7) and rounding.max_diff == pytest.approx(0.05)
     assert rounding.final_gap == pytest.approx(0.05 / 0.45) and rounding.cause.startswith("rounding growth")
-    broken = parting("fsdp", "ddp", [2.30, 2.25, 2.10, 2.00, 1.90], reference, 0.45, 0.45, 1e-5, ("vgg16", 4))
+    assert rounding.curve_gap == pytest.approx(1.0) and not rounding.control  # 0.40 against 0.20 at epoch 1
+    broken = parting("fsdp", "ddp", [2.30, 2.25, 2.10, 2.00, 1.90], reference, [0.45], [0.45], 1e-5, ("vgg16", 4))
     assert broken.first_step == 2 and broken.cause.startswith("the frameworks: their first difference, at step 2")
-    same = parting("fsdp", "ddp", reference, reference, 0.45, 0.45, 1e-5, ("vgg16", 4))
-    assert same.first_step is None and same.cause.startswith("identical")
+    same = parting("fsdp", "ddp", reference, reference, [0.45], [0.45], 1e-5, ("vgg16", 4))
+    assert same.first_step is None and same.cause.startswith("identical") and same.curve_gap == 0.0
+
+
+@pytest.mark.units
+def test_the_rounding_control_is_one_process_at_the_cells_global_batch_and_explains_the_gap():
+    """The control differs from the matrix's DDP cell only in its process count (so in the order of its
+    sums); the report's sentence compares the frameworks' curve gaps with the control's."""
+    from repro import table2
+    from repro.parity import parting, rounding_control, explanation
+
+    cell = next(c for c in table2.expand(table2.load_matrix(rows=["ddp"]), "smoke", ["train.epochs=2"])
+                if c.workload == "vgg16" and c.gpus == 4)
+    control = rounding_control(cell)
+    assert (control.run.gpus, control.train.batch_per_gpu) == (1, 4 * cell.recipe.train.batch_per_gpu)
+    assert (control.train.epochs, control.seed, control.optimizer()) == (2, cell.recipe.seed, cell.recipe.optimizer())
+    reference = [2.3, 2.2, 2.1]
+    zero = parting("zero", "ddp", [2.3, 2.2 + 2e-7, 2.1 + 1e-3], reference, [0.30, 0.66], [0.30, 0.60], 1e-5, ("vgg16", 4))
+    one = parting("one process (batch 64)", "ddp", [2.3 + 1e-7, 2.2, 2.1 + 1e-2], reference, [0.24, 0.60],
+                  [0.30, 0.60], 1e-5, ("vgg16", 4), control=True)
+    two = parting("zero", "ddp", reference, reference, [0.3, 0.5], [0.3, 0.5], 1e-5, ("vgg16", 2))
+    found = explanation([two, zero, one])
+    assert found[0] == ("vgg16 at 2 GPUs: largest per-epoch gap from ddp's curve: zero 0.0% (identical at every step: "
+                        "the frameworks' sums over the ranks agree bit for bit here, so there is no rounding difference "
+                        "to grow; over two ranks each gradient element is one addition, which rounds alike in either order).")
+    assert found[1] == ("vgg16 at 4 GPUs: largest per-epoch gap from ddp's curve: zero 10.0%; one process (batch 64), "
+                        "which differs from ddp only in the order of its sums (first loss difference 1.0e-07 at step 1), "
+                        "20.0%: within the gap rounding alone makes: rounding growth, not the frameworks.")
+    wide = parting("fsdp", "ddp", reference, [2.3, 2.2, 2.0], [0.1, 0.6], [0.3, 0.6], 1e-5, ("vgg16", 4))
+    assert explanation([wide, one])[0].endswith("fsdp 66.7%; one process (batch 64), which differs from ddp only in "
+                                                "the order of its sums (first loss difference 1.0e-07 at step 1), "
+                                                "20.0%: 3.3x the gap rounding alone makes.")
+
+@pytest.mark.units
+def test_matrix_partings_read_the_matrix_runs_and_the_rounding_control(tmp_path: Path):
+    """From MLflow: the matrix's ZeRO run against DDP's at 4 GPUs, and the rounding control from the parity
+    experiment, each with its first differing step and its curve gap against DDP's curve."""
+    from repro import events, names, table2, tracking
+    from repro.parity import matrix_partings, rounding_control
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cells = {c.row: c for c in table2.expand(table2.load_matrix(rows=["ddp", "zero"]), "smoke")
+             if c.workload == "vgg16" and c.gpus == 4}
+    ranks = [{"rank": 0, "peak_bytes": 1, "method": "cpu_peak_rss", "parameters": 1, "gradients": 0, "optimizer": 0}]
+
+    def record(experiment: str, fingerprint: str, losses: list[float], val: list[float]) -> None:
+        run = tracking.Run.create(uri, experiment, "run", {names.RECIPE_SHA256: fingerprint}, {})
+        run.log_events([{"event": events.STEP, "wall": 1.0e9, "step": step, "loss": loss}
+                        for step, loss in enumerate(losses, 1)] +
+                       [{"event": events.EPOCH, "wall": 1.0e9, "epoch": epoch, "epoch_s": 1.0, "elapsed_s": epoch + 1.0,
+                         "samples_per_s": 100.0, "val": {names.VAL_ACCURACY: value}, "ranks": ranks}
+                        for epoch, value in enumerate(val)])
+        run.end("FINISHED")
+
+    record("table2-smoke", cells["ddp"].recipe.fingerprint(), [2.3, 2.2, 2.1], [0.30, 0.60])
+    record("table2-smoke", cells["zero"].recipe.fingerprint(), [2.3, 2.2 + 2.4e-7, 2.1 + 1e-3], [0.30, 0.66])
+    record("parity-smoke", rounding_control(cells["ddp"]).fingerprint(), [2.3 + 2.4e-7, 2.2, 2.1 + 1e-2], [0.24, 0.60])
+    zero, control = matrix_partings(uri, "table2-smoke", "smoke", "parity-smoke", gpus=(4,), rows=("zero",),
+                                    execute=False)
+    assert (zero.framework, zero.first_step, zero.beyond_step, zero.control) == ("zero", 2, 3, False)
+    assert zero.curve_gap == pytest.approx(0.1) and zero.final_gap == pytest.approx(0.1)
+    assert (control.framework, control.first_step, control.control) == ("one process (batch 64)", 1, True)
+    assert control.curve_gap == pytest.approx(0.2) and control.max_diff == pytest.approx(1e-2)

@@ -103,6 +103,7 @@ def test_results_table_carries_the_recorded_numbers(report: Path) -> None:
     assert float(ddp4["model_state_mib"]) == 8.0 and float(ddp4["peak_memory_mib"]) == 900.0
     assert float(ddp4["activation_mib"]) == 2.0 and float(ddp4["estimated_peak_mib"]) == 10.0
     assert float(ddp4["final_metric"]) == 22.0
+    assert float(ddp4["last_epoch_change"]) == pytest.approx(22 / 32 - 1)  # 32 -> 22 over the last epoch
     steps = [float(ddp4[f"step_{key}_ms"]) for key in ("p10", "median", "p90")]
     assert steps == pytest.approx([24.0, 30.0, 37.5])  # 3 s epochs: step-time spread from the epoch events
     assert ddp4["repeats"] == "1" and ddp4["epoch_s_low"] == ""  # one run: no interval
@@ -331,3 +332,33 @@ def test_research_questions_are_answered_from_the_runs(report: Path) -> None:
     # DDP's cells counted memory but no payload: on communication it is unchecked, not silently left out
     assert "megatron-intra (reports/model_check.md): comm at most 4.00% (megatron-hybrid); ddp unchecked)" in text["RQ5"]
     assert altered["RQ4"].sentences[-1].evidence == PREDICTED
+
+
+def test_a_rounding_control_beyond_the_limit_leaves_the_curves_to_the_parity_report() -> None:
+    """Where the parity report's rounding control (a run that differs from DDP only in the order of its
+    sums) moves the curve by more than the limit, equal-settings curves cannot tell the frameworks from
+    rounding growth: the curve clause falls back to the parity report's step-by-step runs."""
+    from repro import table2
+    from repro.report import convergence, evidence
+    from repro.report.collect import Result
+
+    matrix = table2.load_matrix(rows=["ddp", "zero"])
+    cells = [c for c in table2.expand(matrix, "smoke") if c.workload == "vgg16" and c.gpus == 4]
+    curves = {"ddp": [0.30, 0.60], "zero": [0.30, 0.66]}  # 9.1% apart at epoch 2 (relative to zero)
+    results = [Result(c, "FINISHED", epoch_s=[1.0, 1.0], val=curves[c.row], settings={"optimizer": "adam"})
+               for c in cells]
+    limits = {"rows": ["ddp", "zero", "lbann"], "max_relative_gap": 0.05, "parity_tolerance": 1e-5}
+
+    def judged(control_gap: float) -> tuple[str, list[str]]:
+        control = {"workload": "vgg16", "gpus": 4, "framework": "one process (batch 64)", "reference": "ddp",
+                   "control": True, "curve_gap": control_gap}
+        return convergence.data_parallel_curves(evidence.Results(results, CORES, PARITY, partings=[control]), limits)
+
+    verdict, notes = judged(0.20)
+    assert verdict == "holds" and notes[0] == (
+        "vgg16 at 4 GPUs: per-epoch curves of ddp and zero (equal settings) at most 9.1% apart (limit 5%), but "
+        "rounding alone moves a curve by 20.0% here (the parity report's rounding control, one process (batch 64) "
+        "against ddp): beyond the limit, so these curves cannot tell the frameworks from rounding growth")
+    assert any(note.startswith("parity report, equal settings") for note in notes)  # judged there instead
+    verdict, notes = judged(0.01)  # rounding alone stays inside the limit: the 9.1% gap is judged, and fails
+    assert verdict == "does not hold" and notes[0].endswith("at most 9.1% apart (limit 5%); rounding alone: 1.0%")

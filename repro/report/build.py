@@ -28,9 +28,9 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     checked = model_check.checks(results)
     paths += model_check.write(folder, checked, uri)
     predict = predict or model_check.paper_predictor(checked)
-    parity, cores = read_parity(folder), cores or cpu_cores()
-    verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict)
-    answered = answers.answer(evidence.Results(results, cores, parity, predict))
+    (parity, partings), cores = read_parity(folder), cores or cpu_cores()
+    verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict, partings=partings)
+    answered = answers.answer(evidence.Results(results, cores, parity, predict, partings))
     (folder / "findings.md").write_text(answers.markdown(answered) + "\n" + findings.markdown(verdicts))
     (folder / "findings.json").write_text(json.dumps({"research_questions": [asdict(a) for a in answered],
                                                       "findings": [asdict(f) for f in verdicts]}, indent=2))
@@ -40,9 +40,11 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     return paths
 
 
-def read_parity(folder: Path) -> list[dict]:
+def read_parity(folder: Path) -> tuple[list[dict], list[dict]]:
+    """The parity report's rows and its partings (the matrix's runs step by step), if it is there."""
     path = folder / "parity.json"
-    return json.loads(path.read_text())["rows"] if path.is_file() else []
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    return report.get("rows", []), report.get("partings", [])
 
 
 def log_report_run(uri: str, experiment: str, scale: str, paths: list[Path], results: list[Result]) -> None:

@@ -73,6 +73,12 @@ class Result:
         return self.val[-1] if self.val else None
 
     @property
+    def last_epoch_change(self) -> float | None:
+        """Relative change of the validation metric over the last epoch: a curve changing by less than
+        3% there is on its plateau (issue 28's definition; None: fewer than two epochs)."""
+        return (self.val[-1] - self.val[-2]) / abs(self.val[-2]) if len(self.val) >= 2 and self.val[-2] else None
+
+    @property
     def samples_per_epoch(self) -> int | None:
         """Training samples in one epoch (an epoch's throughput is its samples over its time)."""
         return round(self.throughput[0] * self.epoch_s[0]) if self.throughput and self.epoch_s else None

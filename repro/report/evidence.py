@@ -42,11 +42,12 @@ class Results:
     """Index of the successful results, (workload, row, gpus) -> Result, and what they can show."""
 
     def __init__(self, results: list[Result], cores: int, parity: list[dict[str, Any]] | None = None,
-                 predict: Predictor | None = None):
+                 predict: Predictor | None = None, partings: list[dict[str, Any]] | None = None):
         self.ok = {(r.cell.workload, r.cell.row, r.cell.gpus): r for r in results if r.ok}
         self.workloads = sorted({w for w, _, _ in self.ok})
         self.cores = cores
         self.parity = parity or []
+        self.partings = partings or []  # the parity report's matrix runs step by step, with its rounding control
         self.predict = predict
 
     def get(self, workload: str, row: str, gpus: int) -> Result | None:

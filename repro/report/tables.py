@@ -13,7 +13,7 @@ RESULT_COLUMNS = [
     "workload", "framework", "gpus", "status", "epoch_s", "epoch_s_low", "epoch_s_high", "repeats", "speedup",
     "step_median_ms", "step_p10_ms", "step_p90_ms", "samples_per_s", "peak_memory_mib",
     "model_state_mib", "activation_mib", "estimated_peak_mib", "memory_method", "comm_mib_per_step", "final_metric",
-    "epochs_to_target", "samples_to_target", "time_to_target_s", "differs_in", "implementation", "note",
+    "last_epoch_change", "epochs_to_target", "samples_to_target", "time_to_target_s", "differs_in", "implementation", "note",
 ]
 PLATFORM_COLUMNS = [
     "platform", "nodes", "cpu", "cores_per_node", "gpu", "gpus_per_node", "cpu_memory_gb", "gpu_memory_gb",
@@ -71,7 +71,8 @@ def result_rows(results: list[Result]) -> list[dict[str, Any]]:
             "estimated_peak_mib": _mib(r.estimated_peak_bytes), "memory_method": r.memory_method,
             "comm_mib_per_step": _mib(r.comm_bytes),
             "differs_in": settings.departures(r.settings, common[r.cell.workload, r.cell.gpus]) if r.ok else "",
-            "final_metric": r.final_metric, "epochs_to_target": r.epochs_to_target(),
+            "final_metric": r.final_metric, "last_epoch_change": r.last_epoch_change,
+            "epochs_to_target": r.epochs_to_target(),
             "samples_to_target": r.samples_to_target(), "time_to_target_s": r.time_to_target(),
             "implementation": settings.implementation(r.settings),
             "note": note(r),
