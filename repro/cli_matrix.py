@@ -134,8 +134,8 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
       repro predict
       repro predict --model gpt2 --gpu-memory 24GiB
     """
-    from repro.hardware import GPU_MEMORY_GIB
-    from repro.predictions import matrix_predictions, memory_minimum
+    from repro.hardware import GPU_MEMORY_GIB, paper_gpu_memory
+    from repro.predictions import matrix_predictions, memory_minimum, paper_fit
 
     devices = dict(GPU_MEMORY_GIB)
     if gpu_memory:
@@ -152,8 +152,11 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
         click.echo(f"{workload}, {scale} scale: per GPU, GiB; communication MiB per step (payload handed)")
         click.echo(f"  {'row':<16}{'gpus':>5}{'state':>9}{'activ.':>9}{'peak':>9}{'comm':>10}  fits")
         intra: dict[int, float] = {}  # the paper's U: where Megatron-intra's memory per GPU is lowest
+        over: dict[str, list] = {}  # row -> its (gpus, prediction) above the smaller of the paper's GPUs
         for entry in matrix_predictions(workload, scale):
             p = entry["prediction"]
+            if p.estimated_peak is not None and p.estimated_peak > min(paper_gpu_memory().values()) * 2**30:
+                over.setdefault(entry["row"], []).append((entry["gpus"], p))
             if entry["row"] == "megatron-intra" and p.estimated_peak is not None:
                 intra[entry["gpus"]] = p.estimated_peak
             fits = [name for name, size in devices.items() if p.fit_bytes <= size * 2**30]
@@ -163,3 +166,11 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
         if len(intra) >= 3:
             lowest, shape = memory_minimum(intra)
             click.echo(f"  megatron-intra's peak per GPU is lowest at {lowest} GPU{'s' if lowest > 1 else ''} ({shape})")
+        if over and scale == "paper":
+            click.echo("  against the paper's GPUs (its Table 2), the recipe as written (no activation checkpointing, "
+                       "one micro-batch per step):")
+        for row, points in over.items() if scale == "paper" else ():
+            gpus, worst = max(points, key=lambda point: point[1].estimated_peak)
+            counts = [g for g, _ in points]
+            click.echo(f"    {row} at {counts[0]}{f'-{counts[-1]} GPUs' if len(counts) > 1 else ' GPU'}, most at {gpus} "
+                       f"({gib(worst.estimated_peak)} GiB): {paper_fit(worst.estimated_peak, worst.model_state)}")

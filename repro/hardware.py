@@ -15,17 +15,26 @@ PEAK_TFLOPS: list[tuple[str, float, float, float]] = [
     ("V100", 7.8, 15.7, 125.0),
 ]
 
-# GPU memory of the devices `repro predict` checks fits against by default (vendor datasheets, GiB as
-# the devices report it: the V100 16 GB, the A100 40 GB, the H100 SXM 80 GB, the H200 141 GB models)
-GPU_MEMORY_GIB = {"V100-16GB": 16.0, "A100-40GB": 40.0, "H100-80GB": 80.0, "H200-141GB": 141.0}
-
-# The paper's Table 2, as published.
+# The paper's Table 2, as published (memory per node: 4 x 16 GB V100 on Lassen, 8 x 40 GB A100 on ThetaGPU).
 PAPER_PLATFORMS = [
     {"platform": "Lassen (paper)", "nodes": 795, "cpu": "IBM Power9", "cores_per_node": 44, "gpu": "NVIDIA V100",
      "gpus_per_node": 4, "cpu_memory_gb": 256, "gpu_memory_gb": 64, "gpu_fp64_tflops": 7.0},
     {"platform": "ThetaGPU (paper)", "nodes": 24, "cpu": "AMD Rome", "cores_per_node": 64, "gpu": "NVIDIA A100",
      "gpus_per_node": 8, "cpu_memory_gb": 1024, "gpu_memory_gb": 320, "gpu_fp64_tflops": 9.7},
 ]
+
+
+def paper_gpu_memory() -> dict[str, float]:
+    """Memory of one GPU of each of the paper's platforms, from Table 2 (per node / GPUs per node), named
+    as `repro predict` names devices ("V100-16GB"); GiB, since HBM stacks come in binary sizes (a 16 GB
+    V100 holds 16 GiB)."""
+    return {f"{row['gpu'].split()[-1]}-{row['gpu_memory_gb'] / row['gpus_per_node']:g}GB":
+            row["gpu_memory_gb"] / row["gpus_per_node"] for row in PAPER_PLATFORMS}
+
+
+# GPU memory of the devices `repro predict` checks fits against by default, GiB: the paper's GPUs (Table 2)
+# and today's (vendor datasheets: the H100 SXM 80 GB, the H200 141 GB)
+GPU_MEMORY_GIB = {**paper_gpu_memory(), "H100-80GB": 80.0, "H200-141GB": 141.0}
 
 
 def peak(device_name: str) -> tuple[float, float, float] | None:

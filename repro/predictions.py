@@ -90,6 +90,22 @@ def memory_minimum(memory: dict[int, float]) -> tuple[int, str]:
     return lowest, f"no U: {'rises' if lowest == gpus[0] else 'falls'} from {gpus[0]} to {gpus[-1]} GPUs"
 
 
+def paper_fit(peak: float, model_state: float) -> str:
+    """Whether a predicted memory per GPU fits the paper's GPUs (Table 2: hardware.paper_gpu_memory) and,
+    where it does not, that the paper's runs cannot have held it as the recipe is written and which of
+    the model's terms (activations, model state) dominates it."""
+    from repro.hardware import paper_gpu_memory
+
+    devices = paper_gpu_memory()
+    over = [name for name, size in devices.items() if peak > size * 2**30]
+    if not over:
+        return f"fits the paper's {' and '.join(devices)}"
+    activations = peak - model_state
+    return (f"over the paper's {' and '.join(over)}: its runs there cannot have held this much; "
+            f"{'activations' if activations >= model_state else 'model state'} dominate "
+            f"({activations / peak:.1%} activations, {model_state / peak:.1%} model state)")
+
+
 def quoted(values: list[str]) -> str:
     """How findings mark a predicted figure: a prediction of a model checked at smoke scale, not a measurement."""
     bounds = ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costmodel.BOUNDS.items())

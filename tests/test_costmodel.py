@@ -291,6 +291,33 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
 
 
 @pytest.mark.units
+def test_paper_scale_rows_say_whether_the_papers_gpus_hold_them():
+    """Table 2's GPUs (per node / GPUs per node) against GPT-2-medium's predicted peaks as the recipe is
+    written: DDP's 38.43 GiB fits an A100 40 GB, not a V100 16 GB; Megatron-intra at 8 GPUs fits neither,
+    almost all of it activations; the 1F1B pipeline at 16 GPUs fits both."""
+    from repro.hardware import GPU_MEMORY_GIB, paper_gpu_memory
+    from repro.predictions import paper_fit, predict_row
+
+    assert paper_gpu_memory() == {"V100-16GB": 16.0, "A100-40GB": 40.0}
+    assert {name: GPU_MEMORY_GIB[name] for name in paper_gpu_memory()} == paper_gpu_memory()
+    ddp, intra, pipe = (predict_row("gpt2", row, g) for row, g in (("ddp", 64), ("megatron-intra", 8), ("torch-1f1b", 16)))
+    assert round(ddp.estimated_peak / 2**30, 2) == 38.43 and round(intra.estimated_peak / 2**20) == 174_247
+    assert paper_fit(ddp.estimated_peak, ddp.model_state) == (
+        "over the paper's V100-16GB: its runs there cannot have held this much; activations dominate "
+        "(82.8% activations, 17.2% model state)")
+    assert paper_fit(intra.estimated_peak, intra.model_state) == (
+        "over the paper's V100-16GB and A100-40GB: its runs there cannot have held this much; activations dominate "
+        "(99.6% activations, 0.4% model state)")
+    assert paper_fit(pipe.estimated_peak, pipe.model_state) == "fits the paper's V100-16GB and A100-40GB"
+    assert paper_fit(20 * 2**30, 15 * 2**30).endswith("model state dominate (25.0% activations, 75.0% model state)")
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "predict", "--model", "gpt2"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert ("    megatron-intra at 1-16 GPUs, most at 16 (231.19 GiB): over the paper's V100-16GB and A100-40GB: its "
+            "runs there cannot have held this much; activations dominate (99.8% activations, 0.2% model state)") in out
+    assert not any(line.startswith("    torch-1f1b at 1-") for line in out)  # from 2 GPUs on it fits a V100
+
+
+@pytest.mark.units
 def test_the_model_gives_the_counted_model_state_of_docs_and_the_issue():
     """Counted before the model existed: docs/memory.md's GPT-2 smoke table (Adam, 4 ranks, bucket 20,000) and
     issue 29's bytes per parameter (ZeRO-2 on VGG-16 smoke: 12.83 at 2 ranks, 9.12 at 4; DDP with LAMB 20.0)."""
