@@ -90,16 +90,22 @@ def memory_minimum(memory: dict[int, float]) -> tuple[int, str]:
     return lowest, f"no U: {'rises' if lowest == gpus[0] else 'falls'} from {gpus[0]} to {gpus[-1]} GPUs"
 
 
-def paper_fit(peak: float, model_state: float) -> str:
-    """Whether a predicted memory per GPU fits the paper's GPUs (Table 2: hardware.paper_gpu_memory) and,
-    where it does not, that the paper's runs cannot have held it as the recipe is written and which of
-    the model's terms (activations, model state) dominates it."""
+def over_paper_gpus(peak: float) -> list[str]:
+    """The paper's GPUs (its Table 2: hardware.paper_gpu_memory) that a predicted memory per GPU exceeds."""
     from repro.hardware import paper_gpu_memory
 
-    devices = paper_gpu_memory()
-    over = [name for name, size in devices.items() if peak > size * 2**30]
+    return [name for name, size in paper_gpu_memory().items() if peak > size * 2**30]
+
+
+def paper_fit(peak: float, model_state: float) -> str:
+    """Whether a predicted memory per GPU fits the paper's GPUs and, where it does not, that the paper's
+    runs cannot have held it as the recipe is written and which of the model's terms (activations, model
+    state) dominates it."""
+    from repro.hardware import paper_gpu_memory
+
+    over = over_paper_gpus(peak)
     if not over:
-        return f"fits the paper's {' and '.join(devices)}"
+        return f"fits the paper's {' and '.join(paper_gpu_memory())}"
     activations = peak - model_state
     return (f"over the paper's {' and '.join(over)}: its runs there cannot have held this much; "
             f"{'activations' if activations >= model_state else 'model state'} dominate "

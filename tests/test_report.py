@@ -300,6 +300,7 @@ def test_research_questions_are_answered_from_the_runs(report: Path) -> None:
     # every row's cells count: the fake DDP runs' payload is far off the model, and the sentence says so
     assert ("(model error over 6 counted smoke cells of ddp, megatron-hybrid, megatron-intra (reports/model_check.md): "
             "comm at most 375.45% (ddp))") in text["RQ5"]
+    assert "megatron-intra at 8 over V100-16GB and A100-40GB (99.6% activations)" in text["RQ2"]  # 174,247 MiB
     assert (report / "findings.md").read_text().startswith("# The paper's research questions, answered from these runs")
 
     results = collect(cells(), f"sqlite:///{report.parent}/mlflow.db", "table2-test")
@@ -362,3 +363,34 @@ def test_a_rounding_control_beyond_the_limit_leaves_the_curves_to_the_parity_rep
     assert any(note.startswith("parity report, equal settings") for note in notes)  # judged there instead
     verdict, notes = judged(0.01)  # rounding alone stays inside the limit: the 9.1% gap is judged, and fails
     assert verdict == "does not hold" and notes[0].endswith("at most 9.1% apart (limit 5%); rounding alone: 1.0%")
+
+
+def test_predicted_memory_is_held_against_the_papers_gpus() -> None:
+    """The findings' predicted memory sentences say which figures exceed the paper's V100 16 GB / A100 40 GB
+    (its Table 2) and how much of each is activations; figures without a model-state part are not judged."""
+    from repro.report.answers import prediction_sentence
+    from repro.report.evidence import MEMORY_CHECKS, Prediction, Results
+    from repro.report.model_check import paper_predictor
+    from repro.report.predicted import megatron_memory_predicted, paper_gpus_note
+
+    gib = 2**30
+    assert paper_gpus_note("gpt2", {"a": Prediction(20 * gib, None, model_state_bytes=5 * gib),
+                                    "b": Prediction(50 * gib, None, model_state_bytes=40 * gib),
+                                    "c": Prediction(10 * gib, None, model_state_bytes=1 * gib)}) == (
+        "against the paper's GPUs (its Table 2): a over V100-16GB (75.0% activations), b over V100-16GB and A100-40GB "
+        "(20.0% activations): the paper's runs on those GPUs cannot have held that much as configs/gpt2-paper.yaml "
+        "is written (no activation checkpointing or micro-batching modelled)")
+    assert paper_gpus_note("vgg16", {"c": Prediction(10 * gib, None, model_state_bytes=gib)}) == (
+        "each fits the paper's V100-16GB and A100-40GB (its Table 2)")
+    assert paper_gpus_note("gpt2", {"a": Prediction(20 * gib, None)}) == ""  # no breakdown: no verdict
+
+    res = Results([], 2, predict=paper_predictor([]))
+    res.workloads = ["gpt2"]
+    intra = megatron_memory_predicted(res, {"row": "megatron-intra"})[0]
+    assert "8 GPUs 174247.30 MiB" in intra
+    assert "8 GPUs over V100-16GB and A100-40GB (99.6% activations)" in intra
+    assert "1 GPU over V100-16GB and A100-40GB (95.6% activations)" in intra
+    rq = prediction_sentence(res, "memory per GPU", [8, 64], ("ddp", "zero"), lambda p: p.memory_bytes, MEMORY_CHECKS)
+    assert ("ddp at 64 over V100-16GB (82.8% activations), zero at 8 over V100-16GB (92.6% activations), zero at 64 "
+            "over V100-16GB (94.2% activations): the paper's runs on those GPUs cannot") in rq.text
+    assert "A100" not in rq.text.split("against the paper's GPUs")[1].split(":")[1]  # 38.43 GiB fits an A100 40 GB

@@ -16,7 +16,7 @@ import yaml
 from repro.report import settings as run_settings
 from repro.report.collect import Result
 from repro.report.evidence import COMM_CHECKS, MEMORY_CHECKS, Results, mib, thresholds_path
-from repro.report.predicted import model_error
+from repro.report.predicted import model_error, paper_gpus_note
 
 MEASURED, PREDICTED, NOT_TESTABLE = "measured here", "predicted at paper scale", "not testable here"
 FAMILIES = {  # the paper's three kinds of parallelism, and its hybrid, by matrix row
@@ -156,16 +156,19 @@ def prediction_sentence(res: Results, what: str, paper_gpus: list[int], rows: tu
     if res.predict is None:
         return Sentence(f"At the paper's {paper_gpus[0]}-{paper_gpus[-1]} GPUs, {what}: prediction not available "
                         "(no cost model connected to this report).", PREDICTED)
-    parts, quoted = [], {}
+    parts, quoted, figures = [], {}, {}
     for row in rows:
         points = [(g, res.predict(w, row, g)) for g in (paper_gpus[0], paper_gpus[-1])]
         points = [(g, p) for g, p in points if p and value(p) is not None]
         if points:
             quoted[row] = points[0][1]
+            figures.update({f"{row} at {g}": p for g, p in points})
             parts.append(f"{row} " + " -> ".join(f"{mib(value(p))} at {g}" for g, p in points))
     if not parts:
         return Sentence(f"At the paper's GPU counts, {what}: the cost model gives no figure for these rows.", PREDICTED)
-    return Sentence(f"At the paper's scale ({w}), {what}: {'; '.join(parts)} ({model_error(quoted, checks)}).", PREDICTED)
+    fits = paper_gpus_note(w, figures) if checks == MEMORY_CHECKS else ""  # memory against the paper's GPUs
+    return Sentence(f"At the paper's scale ({w}), {what}: {'; '.join(parts)} ({model_error(quoted, checks)})"
+                    + (f"; {fits}." if fits else "."), PREDICTED)
 
 
 def rq3(res: Results) -> list[Sentence]:

@@ -29,6 +29,7 @@ class Prediction:
     comm_bytes: float | None  # sent per GPU per training step
     errors: dict[str, float] = field(default_factory=dict)  # quantity -> largest relative error of the row's cells
     checked_cells: int = 0  # how many of the row's smoke cells were counted against the model
+    model_state_bytes: float | None = None  # per GPU, the part of memory_bytes that is not activations
 
 
 # what each predicted figure is checked by: repro.costmodel.compare's quantities

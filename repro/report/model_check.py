@@ -61,7 +61,8 @@ def paper_predictor(checked: list[dict[str, Any]]) -> Predictor:
         prediction = predict_row(workload, row, gpus)
         if prediction is None:
             return None
-        return Prediction(prediction.estimated_peak, prediction.comm_bytes, *checked_errors(checked, row))
+        return Prediction(prediction.estimated_peak, prediction.comm_bytes, *checked_errors(checked, row),
+                          model_state_bytes=prediction.model_state)
 
     return predicted
 

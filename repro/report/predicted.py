@@ -26,6 +26,23 @@ def model_error(predictions: dict[str, Prediction | None], quantities: tuple[str
     return text + (f"; {', '.join(unchecked)} unchecked" if unchecked and worst else "")
 
 
+def paper_gpus_note(w: str, figures: dict[str, Prediction | None]) -> str:
+    """Predicted memory per GPU of labelled figures ("8 GPUs", "ddp 64 GPUs") against the paper's GPUs (its
+    Table 2): which exceed which GPU and how much of each is activations, or that all fit."""
+    from repro.hardware import paper_gpu_memory
+    from repro.predictions import over_paper_gpus
+
+    figures = {label: p for label, p in figures.items() if p and p.memory_bytes and p.model_state_bytes is not None}
+    over = {label: (over_paper_gpus(p.memory_bytes), 1 - p.model_state_bytes / p.memory_bytes)
+            for label, p in figures.items() if over_paper_gpus(p.memory_bytes)}
+    if not over:
+        return f"each fits the paper's {' and '.join(paper_gpu_memory())} (its Table 2)" if figures else ""
+    return ("against the paper's GPUs (its Table 2): " + ", ".join(
+        f"{label} over {' and '.join(gpus)} ({share:.1%} activations)" for label, (gpus, share) in over.items())
+            + f": the paper's runs on those GPUs cannot have held that much as configs/{w}-paper.yaml is written (no activation "
+            "checkpointing or micro-batching modelled)")
+
+
 def zero_memory_predicted(res: Results, from_gpus: int, paper: tuple[float, float]) -> list[str]:
     """ZeRO's saving at the paper's scale and GPU counts, from the cost model: a prediction beside the
     paper's figure, not a verdict; with the model's error on ZeRO's and DDP's cells where it is connected."""
@@ -43,8 +60,10 @@ def zero_memory_predicted(res: Results, from_gpus: int, paper: tuple[float, floa
         if values:
             error = (f" ({model_error({row: res.predict(w, row, counts[-1]) for row in ('zero', 'ddp')}, MEMORY_CHECKS)})"
                      if res.predict else "")
+            fits = paper_gpus_note(w, {f"{row} {counts[-1]} GPUs": res.predict(w, row, counts[-1])
+                                       for row in ("ddp", "zero")}) if res.predict else ""
             notes.append(f"{w} at paper scale, ZeRO's model-state saving against DDP (paper: {paper[0]:.0%}-{paper[1]:.0%}), "
-                         + quoted(values) + error)
+                         + quoted(values) + error + (f"; {fits}" if fits else ""))
     return notes
 
 
@@ -90,8 +109,9 @@ def pipeline_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
             flat = [b for a, b in zip(gpus, gpus[1:]) if memory[a] / memory[b] < t["plateau_ratio"]]
             where = f"plateaus from {flat[0]} GPUs (a step down below x{t['plateau_ratio']})" if flat else "no plateau"
             error = model_error({row: figures[gpus[-1]]}, MEMORY_CHECKS)
+            fits = paper_gpus_note(w, {f"{g} GPU{'s' if g > 1 else ''}": figures[g] for g in gpus})
             notes.append(f"{w} {row} at paper scale, memory per GPU {where}, "
-                         + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error})")
+                         + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error}); {fits}")
     return notes
 
 
@@ -115,7 +135,8 @@ def megatron_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
         gpus = sorted(memory)
         lowest, shape = memory_minimum(memory)
         error = model_error({t["row"]: figures[gpus[-1]]}, MEMORY_CHECKS)
+        fits = paper_gpus_note(w, {f"{g} GPU{'s' if g > 1 else ''}": figures[g] for g in gpus})
         notes.append(f"{w} {t['row']} at paper scale, memory per GPU lowest at {lowest} GPU{'s' if lowest > 1 else ''} "
                      f"({shape}; local layer spec), "
-                     + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error})")
+                     + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error}); {fits}")
     return notes
