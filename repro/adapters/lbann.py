@@ -1,8 +1,8 @@
 """LBANN: the C++ framework with its own runtime, driven through its Python front end.
 
 LBANN does not fit the per-step loop (repro.loop): it reads its data, trains and validates in
-its own binary. So this adapter only supplies facts and the job's command line; the job is
-repro.adapters.lbann_driver, which
+its own binary. So LBANN has a framework plan (LBANNPlan: facts and the job's command line) and no
+per-rank adapter; the job is repro.adapters.lbann_driver, which
   1. translates the recipe into a plan (`plan` below, pure): VGG-16 with the layers and
      initialisation of repro/workloads/vgg16.py, the recipe's optimizer and global batch, the
      ImageNet reader over the same files (lists of the ImageFolder samples), the print, timer
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from repro.adapters.base import Adapter
+from repro.adapters.plan import FrameworkPlan
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
 
@@ -43,7 +43,7 @@ class LBANNOptions(FrameworkOptions):
     launcher: Literal["auto", "slurm", "mpirun"] = "auto"
 
 
-class LBANNAdapter(Adapter):
+class LBANNPlan(FrameworkPlan):
     Options = LBANNOptions
 
     workloads = ("vgg16",)
@@ -189,7 +189,7 @@ def plan(recipe: Recipe, data_dir: Path, work_dir: Path, num_classes: int) -> di
     optimizer, l2_scale = optimizer_plan(recipe)
     return {
         "seed": recipe.seed,
-        "mini_batch_size": LBANNAdapter.global_batch(recipe),  # LBANN's mini-batch is the global one
+        "mini_batch_size": LBANNPlan.global_batch(recipe),  # LBANN's mini-batch is the global one
         "epochs": recipe.train.epochs,
         "image_size": recipe.model.image_size,
         "layers": layers(recipe.model, num_classes),
