@@ -25,16 +25,11 @@ from typing import Any, Literal
 from repro.adapters.plan import FrameworkPlan
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
+from repro.workloads.vgg16_plan import NORMALIZE, POOLS
 
 DRIVER_MODULE = "repro.adapters.lbann_driver"
 OPTIMIZERS = ("sgd", "adam")
 BYTES_PER_VALUE = 4  # LBANN's default build: dtype=float
-MAX_POOLS = 5  # VGG-16 halves the image five times
-# Mean and standard deviation per channel, as the workload normalises (RGB order).
-NORMALIZE = {
-    "imagenet": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
-    "digits": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
-}
 
 
 @dataclass
@@ -66,12 +61,12 @@ class LBANNPlan(FrameworkPlan):
         if train.max_steps is not None:
             raise RecipeError(source, "train.max_steps", "LBANN trains whole epochs; use --epochs instead")
         spec = recipe.model
-        feature_size = spec.image_size // 2**MAX_POOLS
+        feature_size = spec.image_size // 2**POOLS
         if feature_size != spec.pool_size:
             raise RecipeError(
                 source, "model.pool_size",
                 f"LBANN has no adaptive pooling: the feature map must already be pool_size wide, but "
-                f"image_size {spec.image_size} / 2**{MAX_POOLS} = {feature_size} != pool_size {spec.pool_size}",
+                f"image_size {spec.image_size} / 2**{POOLS} = {feature_size} != pool_size {spec.pool_size}",
             )
 
     @classmethod

@@ -12,12 +12,7 @@ from torchvision import datasets, transforms
 from torchvision.models.vgg import cfgs, make_layers
 
 from repro.workloads.base import Workload, limit
-from repro.workloads.vgg16_plan import NUM_CLASSES, VGG16Plan, VGG16Spec
-
-NORMALIZE = {
-    "imagenet": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
-    "digits": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
-}
+from repro.workloads.vgg16_plan import NORMALIZE, NUM_CLASSES, VGG16Plan, VGG16Spec
 
 
 def build_vgg16(spec: VGG16Spec, num_classes: int) -> nn.Sequential:

@@ -7,12 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
+from repro.data.sets import DIGITS_SIZE  # the size digits are written at; they are not resampled
 from repro.recipe import Recipe
 from repro.schema import AT_LEAST_1, FRACTION, Bounds, RecipeError
 from repro.workloads.plan import WorkloadPlan
 
 NUM_CLASSES = {"imagenet": 1000, "digits": 10, "synthetic": 1000}
-DIGITS_SIZE = 32  # repro.data.sets writes digits at this size and they are not resampled
+# Mean and standard deviation per channel (RGB), by which the images are normalised (LBANN's reader too)
+NORMALIZE = {
+    "imagenet": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+    "digits": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+}
 POOLS = 5  # configuration D halves the image five times
 
 
