@@ -92,7 +92,7 @@ test-image: data test-deps  ## only the image test (part of `make test`): build 
 	$(PYTHON) -m pytest -q tests/test_image.py $(PYTEST_ARGS)
 
 # The tiers (tests/tiers.py), named by what their tests need; `make test` runs all four.
-test-fast:  ## the units tier: no process group, no training process (at most 2 minutes)
+test-fast: data  ## the units tier: no process group, no training process (at most 2 minutes)
 	$(PYTHON) -m pytest -q -m units $(PYTEST_ARGS)
 
 test-ranks: data  ## the ranks tier: the real Trainer and adapters in gloo ranks forked by the tests

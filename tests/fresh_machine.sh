@@ -7,11 +7,12 @@
 #
 # As root on a Debian host with mmdebstrap and network access to deb.debian.org and PyPI (the set-up
 # downloads the pinned wheels, a few GiB): bash tests/fresh_machine.sh [ROOT]
-# The shared datasets are bind-mounted read-only at /staged-data ($REPRO_STAGED_DATA), never copied.
+# The shared folder (datasets, vendored LBANN front end) is bind-mounted read-only at /shared, beside the
+# clone at /repro, where the kit and the tests look for ../shared; it is never copied.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 root=${1:-$(mktemp -d /tmp/repro-fresh.XXXXXX)}
-staged=${REPRO_STAGED_DATA:-$(cd "$repo/.." && pwd)/shared/data}
+shared=$(cd "$repo/.." && pwd)/shared
 LOG=${LOG:-$root.log}
 [ "$(id -u)" = 0 ] || { echo "fresh_machine.sh: run as root (mmdebstrap, chroot, mounts)" >&2; exit 2; }
 command -v mmdebstrap >/dev/null || { echo "fresh_machine.sh: needs mmdebstrap: apt-get install mmdebstrap" >&2; exit 2; }
@@ -27,12 +28,12 @@ step() {  # step NAME COMMAND...: run it, log its wall time and exit code, stop 
 
 in_root() {  # the command as a user of the fresh machine: in the clone, with a plain environment
     chroot "$root" env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        LANG=C.UTF-8 REPRO_STAGED_DATA=/staged-data bash -c "cd /repro && $*"
+        LANG=C.UTF-8 bash -c "cd /repro && $*"
 }
 
 unmount() {
-    for mount in staged-data tmp dev/pts dev sys proc; do
-        mountpoint -q "$root/$mount" && umount -l "$root/$mount"
+    for mount in ${indexes:-} shared tmp dev/pts dev sys proc; do
+        mountpoint -q "$root/${mount#/}" && umount -l "$root/${mount#/}"
     done
 }
 trap unmount EXIT
@@ -42,12 +43,20 @@ trap unmount EXIT
         bookworm "$root"
 [ -d "$root/repro" ] || step clone git clone --quiet "$repo" "$root/repro"  # committed files only, as a clone has
 cp /etc/resolv.conf "$root/etc/resolv.conf"
-mkdir -p "$root/staged-data"
+# This network's settings, which a fresh machine here has too and the kit does not provide: the CA that signs
+# its TLS (the egress proxy), and pip's configuration (global, site and root's) with the local indexes it names.
+cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
+pip_configs=$(ls /etc/pip.conf /etc/xdg/pip/* /root/.config/pip/pip.conf 2>/dev/null || true)
+for config in $pip_configs; do mkdir -p "$root$(dirname "$config")" && cp "$config" "$root$config"; done
+indexes=$(cat $pip_configs /dev/null | sed -n 's/^ *\(find-links\|extra-index-url\) *= *//p' | tr ' ' '\n' |
+    sed -n 's|^file://||; s|/simple$||; /^\//p' | sort -u)
+mkdir -p "$root/shared"
 mount -t proc proc "$root/proc"
 mount --rbind /sys "$root/sys"
 mount --rbind /dev "$root/dev"
 mount -t tmpfs tmpfs "$root/tmp"
-mount --bind -o ro "$staged" "$root/staged-data"
+mount --bind -o ro "$shared" "$root/shared"
+for index in $indexes; do mkdir -p "$root$index" && mount --bind -o ro "$index" "$root$index"; done
 
 started=$(date +%s)
 step setup in_root make setup  # the README's set-up command
