@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import platform
+import runpy
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from repro import registry
+from repro import hardware, registry
 
 MEASURED = Path(__file__).resolve().parent.parent / "docs" / "measured"  # GPU results, committed with device and date
 # Code paths that run only on GPUs, and the command that checks each one on a GPU machine.
@@ -43,7 +45,20 @@ def image() -> str:
     return os.environ.get("REPRO_IMAGE", "")
 
 
+def torch_cuda() -> str | None:
+    """The CUDA torch was built with (torch.version.cuda), read from torch/version.py, a module of plain
+    assignments, without importing torch (None without torch, or for a CPU build)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return runpy.run_path(str(Path(spec.submodule_search_locations[0]) / "version.py")).get("cuda")
+
+
 def devices() -> dict[str, Any]:
+    """The GPUs and the CUDA of torch's build. Where there is no GPU driver (hardware.gpu_count), torch is
+    not imported: every run's parent writes this report (repro.run.record), and stays free of torch."""
+    if not hardware.gpu_count():
+        return {"cuda_available": False, "cuda": torch_cuda(), "gpus": [], "cpu_cores": os.cpu_count()}
     import torch
 
     info: dict[str, Any] = {"cuda_available": torch.cuda.is_available(), "cuda": torch.version.cuda}

@@ -5,6 +5,12 @@ reports no MFU rather than guessing.
 """
 from __future__ import annotations
 
+import ctypes
+import os
+
+NVML_LIBRARY = "libnvidia-ml.so.1"  # NVIDIA's management library, installed with its driver
+ROCM_DEVICE = "/dev/kfd"  # AMD's compute driver, which ROCm's torch.cuda runs on
+
 # name fragment -> (FP64, FP32, FP16/BF16 tensor-core) TFLOP/s; the first match wins, so more
 # specific fragments come first.
 PEAK_TFLOPS: list[tuple[str, float, float, float]] = [
@@ -76,7 +82,17 @@ def memory_gb() -> float:
 
 
 def gpu_count() -> int:
-    """CUDA devices this process can use (0 without CUDA)."""
+    """CUDA devices this process can use (0 without CUDA).
+
+    Where no GPU driver is installed there are none, and torch is not imported to say so (2 s), so the
+    parent of a run of CPU stand-ins stays free of torch: no NVIDIA driver library (libnvidia-ml.so.1,
+    through which torch.cuda.device_count counts first, torch/cuda/__init__.py `_raw_device_count_nvml`)
+    and no AMD kernel driver (/dev/kfd, for ROCm's torch). Otherwise torch counts them."""
+    if not os.path.exists(ROCM_DEVICE):
+        try:
+            ctypes.CDLL(NVML_LIBRARY)
+        except OSError:
+            return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -92,20 +108,16 @@ def gpu_memory_bytes() -> int:
 def cpu_cores() -> int:
     """Cores this process may run on (its affinity: what a container or `taskset` grants, not the host's;
     all of the host's where the system has no affinity, as on macOS)."""
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def this_platform(nodes: int) -> dict[str, object]:
     """Table 2's row for the machine the runs used (nodes from the run tags)."""
-    import os
-
-    import torch
-
     row: dict[str, object] = {"platform": "this machine", "nodes": nodes, "cpu": cpu_model(),
                               "cores_per_node": os.cpu_count(), "cpu_memory_gb": round(memory_gb())}
-    if torch.cuda.is_available():
+    if gpu_count():
+        import torch
+
         name = torch.cuda.get_device_name(0)
         count = torch.cuda.device_count()
         rates = peak(name)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from repro import names, registry
+from repro import hardware, names, registry
 from repro.cell import Cell
 from repro.recipe import Recipe, load_file, recipe_path, section_key
 from repro.schema import RecipeError
@@ -100,7 +100,7 @@ def recipe_for(config: Config, workload: str, scale: str, steps: int, extra: lis
     path = recipe_path(workload, scale)
     # probed at GLOBAL_BATCH per GPU, which splits wherever GLOBAL_BATCH does, on enough samples for it
     probe = load_file(path, [*fields, f"train.batch_per_gpu={GLOBAL_BATCH}", f"data.max_train_samples={16 * GLOBAL_BATCH**2}"])
-    per_sample = registry.adapter_class(config.framework).global_batch(probe) // GLOBAL_BATCH
+    per_sample = registry.plan_class(config.framework).global_batch(probe) // GLOBAL_BATCH
     if GLOBAL_BATCH % per_sample:
         raise RecipeError(str(path), "train.batch_per_gpu",
                           f"{config.name}'s global batch is a multiple of {per_sample}; {GLOBAL_BATCH} is not")
@@ -114,9 +114,7 @@ def settings_text(recipe: Recipe) -> str:
 
 
 def tolerance_for(recipe: Recipe) -> float:
-    import torch
-
-    device = "cuda" if recipe.run.device != "cpu" and torch.cuda.is_available() else "cpu"
+    device = "cuda" if recipe.run.device != "cpu" and hardware.gpu_count() else "cpu"
     return TOLERANCE.get((device, recipe.train.precision), TOLERANCE[("cuda", "bf16")])
 
 

@@ -181,7 +181,7 @@ def _framework_sections(raw: dict[str, Any], source: str, used: str) -> dict[str
     for name, entry in registry.FRAMEWORKS.items():
         key = section_key(name)
         if key in raw or name == used:
-            options_cls = registry.load(entry.adapter).Options
+            options_cls = registry.load(entry.plan).Options
             section = raw.pop(key, None)
             out[name] = build(options_cls, {} if section is None else section, source, key)
     return out
@@ -219,7 +219,7 @@ def _build(raw: dict[str, Any], source: str) -> Recipe:
     frameworks = _framework_sections(raw, source, used)
     model_raw = raw.pop("model", None)
     recipe = build(Recipe, {**raw, "model": {}}, source)
-    workload = registry.workload_class(recipe.workload)
+    workload = registry.workload_plan(recipe.workload)
     recipe.model = build(workload.ModelSpec, {} if model_raw is None else model_raw, source, "model")
     recipe.frameworks = frameworks
     recipe.source = source
@@ -240,14 +240,14 @@ def check(recipe: Recipe, source: str) -> None:
         if optimizer and len(optimizer.betas) != 2:
             raise RecipeError(source, f"{section}.optimizer.betas", f"expected two numbers [beta1, beta2], got {optimizer.betas}")
     check_dataset(recipe, source)
-    registry.workload_class(recipe.workload).check(recipe, source)
-    adapter = registry.load(registry.FRAMEWORKS[run.framework].adapter)
-    adapter.check_workload(recipe, source)
-    adapter.check(recipe, source)
+    registry.workload_plan(recipe.workload).check(recipe, source)
+    plan = registry.load(registry.FRAMEWORKS[run.framework].plan)
+    plan.check_workload(recipe, source)
+    plan.check(recipe, source)
     limit = recipe.data.max_train_samples
-    if limit is not None and adapter.global_batch(recipe) > limit:
-        raise RecipeError(source, "train.batch_per_gpu", batch_too_big(recipe, adapter.global_batch(recipe), limit,
-                                                                        f"data.max_train_samples = {limit}"))
+    if limit is not None and plan.global_batch(recipe) > limit:
+        raise RecipeError(source, "train.batch_per_gpu", batch_too_big(recipe, plan.global_batch(recipe), limit,
+                                                                     f"data.max_train_samples = {limit}"))
 
 
 def check_dataset(recipe: Recipe, source: str) -> None:

@@ -24,7 +24,7 @@ from repro.runfiles import RunFolder
 
 def check_machine(recipe: Recipe, options: Launch) -> Executor:
     """The framework is installed here, the launching options fit, the devices exist: the executor to start with."""
-    registry.adapter_class(recipe.run.framework)  # unavailable frameworks fail before anything starts
+    registry.available(recipe.run.framework)  # unavailable frameworks fail before anything starts
     preflight.check_nodes(recipe, options)
     executor = executors.for_launch(recipe, options)
     executor.check()

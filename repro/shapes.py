@@ -2,19 +2,20 @@
 `nn.Module.parameters()` yields them) and what each layer saves for backward, from the model section
 of a recipe. `repro.costmodel` works from these, so `repro predict` and the pre-launch check need no
 torch; `tests/test_costmodel.py` checks them against the built modules (repro.workloads), element for
-element. (They live outside repro/workloads/ because that package's modules build torch modules and
-import torch on import.)
+element. (They live outside repro/workloads/ because what they describe is shared by every workload:
+the cost model's terms; the workloads' own constants come from their torch-free plans.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-GPT2_VOCAB = {"bytes": 256, "gpt2": 50257}  # repro.workloads.gpt2.TOKENIZER_VOCAB
+from repro.workloads.gpt2_plan import TOKENIZER_VOCAB
+from repro.workloads.vgg16_plan import NUM_CLASSES
+
 # VGG-16, configuration D (Simonyan & Zisserman 2015, Table 1): output channels of each 3x3 convolution,
 # "M" a 2x2 max-pool (torchvision.models.vgg.cfgs["D"])
 VGG16_D = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
-VGG16_CLASSES = {"imagenet": 1000, "digits": 10, "synthetic": 1000}  # repro.workloads.vgg16.NUM_CLASSES
 INT64 = 8
 Rows = tuple[int, int]  # a parameter tensor as (dim-0 size, elements per dim-0 row)
 
@@ -37,7 +38,7 @@ class GPT2Shape:
         """From a recipe's model section: its spec object or the raw mapping of a recipe file."""
         get = model.get if isinstance(model, dict) else lambda key, default=None: getattr(model, key, default)
         return cls(get("n_layer", 24), get("d_model", 1024), get("n_head", 16), get("seq_len", 1024),
-                   GPT2_VOCAB[get("tokenizer", "gpt2")], get("dropout", 0.1))
+                   TOKENIZER_VOCAB[get("tokenizer", "gpt2")], get("dropout", 0.1))
 
     def shaped_runs(self) -> list[tuple[list[Rows], int]]:
         """(a layer's parameter tensors as (dim-0 size, elements per dim-0 row), how many such layers
@@ -123,7 +124,7 @@ class VGG16Shape:
     def from_model(cls, model: Any, dataset: str) -> "VGG16Shape":
         get = model.get if isinstance(model, dict) else lambda key, default=None: getattr(model, key, default)
         return cls(get("width_div", 1), get("classifier_width", 4096), get("pool_size", 7), get("image_size", 224),
-                   VGG16_CLASSES[dataset], get("dropout", 0.5))
+                   NUM_CLASSES[dataset], get("dropout", 0.5))
 
     def widths(self) -> list[int | str]:
         return [c if c == "M" else c // self.width_div for c in VGG16_D]

@@ -144,7 +144,7 @@ def framework_params(*names: str) -> list:
     for name in names:
         entry = registry.FRAMEWORKS[name]
         reason = None
-        if importlib.util.find_spec(entry.adapter.partition(":")[0]) is None:
+        if importlib.util.find_spec(entry.plan.partition(":")[0]) is None:
             reason = "adapter not in this branch"
         elif entry.missing():
             reason = f"needs {', '.join(entry.missing())}"

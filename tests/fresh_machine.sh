@@ -7,6 +7,7 @@
 #
 # As root on a Debian host with mmdebstrap and network access to deb.debian.org and PyPI (the set-up
 # downloads the pinned wheels, a few GiB): bash tests/fresh_machine.sh [ROOT]
+# SKIP="units ranks" skips those steps by name (to rerun the later tiers of an existing ROOT after a fix).
 # The shared folder (datasets, vendored LBANN front end) is bind-mounted read-only at /shared, beside the
 # clone at /repro, where the kit and the tests look for ../shared; it is never copied.
 set -euo pipefail
@@ -19,6 +20,7 @@ command -v mmdebstrap >/dev/null || { echo "fresh_machine.sh: needs mmdebstrap: 
 
 step() {  # step NAME COMMAND...: run it, log its wall time and exit code, stop at the first failure
     local name=$1 start code=0; shift
+    case " ${SKIP:-} " in *" $name "*) echo "== $name: skipped (SKIP)" | tee -a "$LOG"; return 0 ;; esac
     start=$(date +%s)
     echo "== $name: $*" | tee -a "$LOG"
     "$@" 2>&1 | tee -a "$LOG" || code=$?

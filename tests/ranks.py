@@ -46,5 +46,5 @@ def train(recipe: Recipe, run_dir: Path) -> list[dict]:
     from conftest import read_events
 
     write_run_file(recipe, run_dir)
-    start_ranks(registry.adapter_class(recipe.run.framework).processes(recipe), warm_ranks.loop_rank, str(run_dir))
+    start_ranks(registry.plan_class(recipe.run.framework).processes(recipe), warm_ranks.loop_rank, str(run_dir))
     return read_events(run_dir)

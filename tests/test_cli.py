@@ -29,7 +29,7 @@ def test_a_missing_name_is_said_once() -> None:
     from repro.doctor import availability
     from repro.registry import FrameworkEntry
 
-    entry = FrameworkEntry("x", "x:X", "data", ("no_such_module_x",), ("no_such_module_x",))
+    entry = FrameworkEntry("x", "x:XPlan", "x:XAdapter", "data", ("no_such_module_x",), ("no_such_module_x",))
     assert entry.missing() == ["no_such_module_x"]
     assert availability(entry) == "unavailable: missing no_such_module_x"
 

@@ -190,7 +190,7 @@ def test_auto_launcher_follows_the_allocation() -> None:
 
 def test_runner_launches_the_lbann_driver() -> None:
     recipe = lbann_recipe("smoke")
-    command = translation.LBANNAdapter.command(recipe, Path("/runs/x"))
+    command = translation.LBANNPlan.command(recipe, Path("/runs/x"))
     assert command[1:] == ["-m", "repro.adapters.lbann_driver", "/runs/x"]
 
 

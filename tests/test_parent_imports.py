@@ -1,4 +1,5 @@
-"""No torch in the parent: the commands that only plan, check or record import no training framework.
+"""No torch in the parent: `repro run` (a dry run, and the parent of a real run), the matrix's planning
+step, `repro sync` and `repro settle` import no training framework.
 
 Each command runs under `python -X importtime`, which lists every module the process imported
 (CPython's -X importtime, one "import time:" line per module on stderr); torch, deepspeed,
@@ -11,10 +12,9 @@ import sys
 
 import pytest
 
+from conftest import read_events
 from repro import events, tracking
 from repro.runfiles import Outcome, RunFolder, Spec
-
-pytestmark = pytest.mark.units
 
 FRAMEWORKS = ("torch", "deepspeed", "megatron", "torchvision")
 
@@ -43,6 +43,7 @@ def ended_run_folder(repro) -> RunFolder:
     return folder
 
 
+@pytest.mark.units
 def test_sync_and_settle_import_no_framework(repro) -> None:
     folder = ended_run_folder(repro)
     assert not imported(repro, "settle", str(folder.path)) & set(FRAMEWORKS)  # delivers the end it finds
@@ -52,16 +53,25 @@ def test_sync_and_settle_import_no_framework(repro) -> None:
     assert [m.value for m in tracking.client(repro.tracking_uri).get_metric_history(run.info.run_id, "train/loss")] == [1.0, 0.5]
 
 
-# Resolving a recipe imports the framework's adapter module and the workload's module (registry.load,
-# for their option and model-spec classes and their class-level checks), and both import torch at the top.
-NOT_YET = pytest.mark.xfail(strict=True, reason="issue 30: adapters and workloads have no torch-free part yet")
-
-
-@NOT_YET
+@pytest.mark.units
 def test_run_dry_run_imports_no_framework(repro) -> None:
+    """Resolving and checking a recipe reads the framework's and the workload's plans (repro.adapters.plan,
+    repro.workloads.plan), never their adapter or workload modules."""
     assert not imported(repro, "run", "gpt2", "--framework", "ddp", "--gpus", "2", "--dry-run") & set(FRAMEWORKS)
 
 
-@NOT_YET
+@pytest.mark.units
 def test_the_matrix_plan_imports_no_framework(repro) -> None:
     assert not imported(repro, "table2", "--dry-run", "--rows", "ddp,zero,megatron-intra") & set(FRAMEWORKS)
+    # its reports and the parity section's (nothing run: --reports-only), which the matrix's parent writes too
+    assert not imported(repro, "table2", "--reports-only", "--reports", "reports") & set(FRAMEWORKS)
+
+
+@pytest.mark.end_to_end
+def test_a_run_imports_no_framework_in_its_parent(repro) -> None:
+    """A real run: its warm launcher's fork server and its ranks import the frameworks, each a process of
+    its own; the parent checks, records the run in MLflow, supervises the job and delivers its events
+    without them."""
+    assert not imported(repro, "run", "gpt2", "--framework", "ddp", "--gpus", "2", "--max-steps", "2",
+                        "--run-dir", "runs/real") & set(FRAMEWORKS)
+    assert [e["step"] for e in read_events(repro.cwd / "runs" / "real") if e["event"] == events.STEP] == [1, 2]

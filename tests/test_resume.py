@@ -19,6 +19,7 @@ from repro import registry
 from repro.run import lifecycle
 from repro.run.options import LaunchError
 from repro.adapters.base import Adapter
+from repro.adapters.plan import FrameworkPlan
 from repro.recipe import Recipe, load_file, recipe_path
 
 # 2 epochs of 128 samples at 4 per GPU: 16 steps an epoch under DDP, 8 under Megatron (4 GPUs), 32 under
@@ -128,7 +129,7 @@ def mlflow_run(repro: Repro, run_dir: Path):
 def test_stopped_mid_epoch_then_resumed_is_bit_for_bit(shared_repro: Repro, alone: Alone, framework: str,
                                                       tmp_path: Path):
     repro, args = shared_repro, arguments(framework)
-    refusal = registry.adapter_class(framework).no_checkpoint_because(framework)
+    refusal = registry.plan_class(framework).no_checkpoint_because(framework)
     if refusal:  # no checkpoint of its own and no replicated state: it must say so, not resume wrongly
         out = repro(*args, "--resume")
         assert out.returncode != 0 and out.stderr.strip().endswith(f"--resume: {refusal}")
@@ -195,26 +196,58 @@ def test_resume_of_a_finished_run_changes_nothing_and_more_epochs_extend_it(shar
 
 
 @pytest.mark.units
-def test_an_adapter_without_checkpoint_or_replicated_state_refuses_resume(repro: Repro, monkeypatch):
-    class Sharded(Adapter):
+def test_a_plan_without_checkpoint_or_replicated_state_refuses_resume(repro: Repro, monkeypatch):
+    class Sharded(FrameworkPlan):
         pass
 
-    class Replicated(Adapter):
+    class Replicated(FrameworkPlan):
         replicated_state = True
 
-    class OwnCheckpoint(Adapter):
-        def save_checkpoint(self, folder: Path) -> None:
-            pass
+    class OwnCheckpoint(FrameworkPlan):
+        own_checkpoint = True
 
     assert Replicated.no_checkpoint_because("x") == OwnCheckpoint.no_checkpoint_because("x") == ""
     reason = Sharded.no_checkpoint_because("fsdp")
-    assert reason.startswith("fsdp cannot checkpoint: its adapter (test_resume.Sharded)")
-    monkeypatch.setattr(registry, "adapter_class", lambda name: Sharded)
+    assert reason.startswith("fsdp cannot checkpoint: its plan (test_resume.Sharded)")
+    monkeypatch.setattr(registry, "plan_class", lambda name: Sharded)
     from repro.recipe import load_file, recipe_path
 
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=fsdp"])
     with pytest.raises(LaunchError, match=f"^{re.escape(f'--resume: {reason}')}$"):
         lifecycle.find_resumable(recipe, "latest")
+
+
+@pytest.mark.units
+def test_an_adapter_brings_its_own_checkpoint_exactly_when_its_plan_says_so():
+    """The parent refuses --resume from the plan alone; an adapter that disagreed with it would be refused
+    wrongly, or resumed from the base checkpoint of state that is not replicated."""
+    with pytest.raises(TypeError, match="Undeclared: own_checkpoint is False but it overrides save_checkpoint, load_checkpoint$"):
+        class Undeclared(Adapter):
+            def save_checkpoint(self, folder: Path) -> None:
+                pass
+
+            def load_checkpoint(self, folder: Path) -> None:
+                pass
+    with pytest.raises(TypeError, match="HalfBuilt: own_checkpoint is True but it overrides save_checkpoint$"):
+        class HalfBuilt(Adapter):
+            own_checkpoint = True
+
+            def save_checkpoint(self, folder: Path) -> None:
+                pass
+
+    class Declared(Adapter):
+        own_checkpoint = True
+
+        def save_checkpoint(self, folder: Path) -> None:
+            pass
+
+        def load_checkpoint(self, folder: Path) -> None:
+            pass
+
+    assert Declared.no_checkpoint_because("x") == ""
+    for name, entry in registry.FRAMEWORKS.items():  # and every registered adapter is its plan: both answer alike
+        if entry.adapter and not entry.missing():
+            assert issubclass(registry.adapter_class(name), registry.plan_class(name)), name
 
 
 @pytest.mark.units

@@ -6,10 +6,13 @@ on the same global batch (one process); the memory accounting must count what ea
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from references import STEPS, gpt2, plain_gpt2
 from repro import registry
-from repro.adapters.torch_pipeline import TorchPipelineAdapter, balance, layer_weights, stage_starts
+from repro.adapters import torch_pipeline_plan
+from repro.adapters.torch_pipeline import balance, layer_weights, stage_starts
 from repro.recipe import Recipe, load_file, recipe_path
 from repro.schema import RecipeError
 
@@ -19,6 +22,12 @@ TIED_EMBEDDING_BYTES = 256 * 64 * 4  # GPT-2 smoke: byte vocabulary x d_model, f
 
 def smoke(framework: str, *overrides: str) -> Recipe:
     return load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", *overrides])
+
+
+def meta_model(recipe: Recipe) -> nn.Sequential:
+    """The workload's layers on the meta device (no memory), as the adapter weighs them."""
+    with torch.device("meta"):
+        return registry.workload_class(recipe.workload)(recipe.model, recipe.data, None).build_model()
 
 
 def state_bytes(epoch: dict, kind: str) -> list[int]:
@@ -31,16 +40,31 @@ def test_balance_minimises_the_heaviest_stage() -> None:
     assert balance([1, 1, 1, 1], 2) == [2, 2]
     assert balance([5, 1, 1, 1, 1, 1], 2) == [1, 5]
     assert balance([4, 0, 1, 1], 3) == [1, 2, 1]  # [1, 1, 2] is as heavy, but its middle stage has no parameters
-    model = TorchPipelineAdapter.meta_model(smoke("torch-pipeline"))
+    model = meta_model(smoke("torch-pipeline"))
     # embedding 20,480 | four blocks of 49,984 | head 16,512 (64 for its norm's, 16,384 tied)
     assert layer_weights(model) == [20480, 49984, 49984, 49984, 49984, 16512]
     assert balance(layer_weights(model), 4) == [2, 1, 1, 2]
 
 
 @pytest.mark.units
+@pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
+def test_the_plan_finds_the_splits_the_adapter_finds(workload: str) -> None:
+    """The plan checks a split without torch, from the workload's shape: its layers have parameters
+    where the model's do (GPT-2's head: only its norm's, the tied weight counted with the embedding)
+    and may begin a stage where the model's may, so the same splits exist."""
+    recipe = load_file(recipe_path(workload, "smoke"), ["run.framework=torch-pipeline"])
+    model = meta_model(recipe)
+    weights, starts = torch_pipeline_plan.layers(recipe)
+    assert [bool(w) for w in weights] == [bool(w) for w in layer_weights(model)]
+    assert starts == stage_starts(model)
+    if workload == "gpt2":
+        assert weights[-1] == layer_weights(model)[-1] - TIED_EMBEDDING_BYTES // 4 == 128
+
+
+@pytest.mark.units
 def test_no_stage_begins_with_an_in_place_layer() -> None:
     recipe = load_file(recipe_path("vgg16", "smoke"), ["run.framework=torch-pipeline", "run.gpus=4"])
-    model = TorchPipelineAdapter.meta_model(recipe)
+    model = meta_model(recipe)
     sizes = balance(layer_weights(model), 4, stage_starts(model))
     firsts = [sum(sizes[:s]) for s in range(4)]
     assert not any(getattr(model[first], "inplace", False) for first in firsts)

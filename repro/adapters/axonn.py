@@ -8,7 +8,7 @@ not pinned) until one can be tested on GPUs.
 """
 from __future__ import annotations
 
-from repro.adapters.base import Adapter
+from repro.adapters.plan import FrameworkPlan
 from repro.recipe import Recipe
 from repro.schema import RecipeError
 
@@ -18,7 +18,7 @@ REASON = (
 )
 
 
-class AxoNNAdapter(Adapter):
+class AxoNNPlan(FrameworkPlan):
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
         raise RecipeError(source, "run.framework", REASON)

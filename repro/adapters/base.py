@@ -6,7 +6,8 @@ because DeepSpeed and pipeline schedules fuse them, evaluates one batch, says wh
 the loss and which shard of each global batch its rank consumes, counts the model state its
 rank holds, and saves and restores its training state in its framework's own way (or declares
 that state replicated, to use the base checkpoint). The training loop (repro.loop) never branches on
-the framework.
+the framework. What the parent reads before any process starts (recipe checks, batch rule, command,
+whether it can checkpoint) is the framework's plan (repro.adapters.plan), which its adapter subclasses.
 """
 from __future__ import annotations
 
@@ -19,14 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from repro import launch
 from repro.activation import Counter
+from repro.adapters.plan import FrameworkPlan
 from repro.checkpoint import atomic_torch_save
 from repro.communication import CommCounter
 from repro.metrics import model_state
-from repro.schema import RecipeError
-from repro.recipe import FrameworkOptions, Recipe
-from repro.workloads import Workload
+from repro.recipe import Recipe
+from repro.workloads.base import Workload
 
 ADAPTER_STATE_FILE = "adapter.pt"
 
@@ -71,10 +71,21 @@ class Reduction:
         return self.tensor
 
 
-class Adapter:
-    """Base class. Subclasses implement `setup` and `train_step`; the rest has data-parallel defaults."""
+class Adapter(FrameworkPlan):
+    """Base class. Subclasses implement `setup` and `train_step`; the rest has data-parallel defaults.
 
-    Options: type = FrameworkOptions
+    A framework's adapter subclasses its plan (repro.adapters.plan) before this class, so the class-level
+    facts the parent planned with are the ones its ranks train with."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """An adapter saves and loads its own checkpoint exactly when its plan says so (the parent refuses
+        --resume from the plan alone, without importing the adapter)."""
+        super().__init_subclass__(**kwargs)
+        both = ["save_checkpoint", "load_checkpoint"]
+        overrides = [name for name in both if getattr(cls, name) is not getattr(Adapter, name)]
+        if overrides != (both if cls.own_checkpoint else []):
+            raise TypeError(f"{cls.__module__}.{cls.__name__}: own_checkpoint is {cls.own_checkpoint} but it overrides "
+                            f"{', '.join(overrides) or 'neither save_checkpoint nor load_checkpoint'}")
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
@@ -83,69 +94,6 @@ class Adapter:
         self.optimizer: torch.optim.Optimizer | None = None
         self.activations = Counter()  # the loop runs its first steps inside its hooks(); torchgpipe counts per partition
         self.communication = CommCounter()  # the loop counts one warm-up step; torchgpipe counts its partition boundaries
-
-    # -- class-level facts, used before any process starts ------------------------------------
-    workloads: tuple[str, ...] = ("vgg16", "gpt2")  # the workloads this framework applies to
-    not_applicable_because: str = ""  # why it does not apply to the others
-
-    @classmethod
-    def check_workload(cls, recipe: Recipe, source: str) -> None:
-        """One line saying why this framework does not apply to the recipe's workload, if it does not."""
-        if recipe.workload not in cls.workloads:
-            raise RecipeError(source, "run.framework", f"{recipe.run.framework} is not applicable to "
-                              f"{recipe.workload}: {cls.not_applicable_because}")
-
-    # Whether every rank holds the same, whole training state after each step (data parallelism, or a
-    # single process). Only then does the base checkpoint (rank 0's state_dict) restore every rank;
-    # an adapter whose ranks hold different state must bring its own save/load_checkpoint.
-    replicated_state: bool = False
-
-    @classmethod
-    def no_checkpoint_because(cls, framework: str) -> str:
-        """Why this adapter can make no checkpoint, in one line naming `framework` (empty when it can)."""
-        if cls.replicated_state or cls.save_checkpoint is not Adapter.save_checkpoint:
-            return ""
-        return (f"{framework} cannot checkpoint: its adapter ({cls.__module__}.{cls.__name__}) has no "
-                "checkpoint of its own and does not declare its state replicated")
-
-    @classmethod
-    def check(cls, recipe: Recipe, source: str) -> None:
-        """Raise RecipeError (naming the field) when the recipe cannot run under this framework."""
-
-    @classmethod
-    def command(cls, recipe: Recipe, run_dir: Path, rdzv_endpoint: str | None = None) -> list[str]:
-        """This node's command line: PyTorch's launcher starting repro.loop in every process, joined
-        to the other nodes' launchers through the c10d rendezvous at `rdzv_endpoint` (HOST:PORT).
-
-        A framework with its own runtime (LBANN) returns the command of its own driver instead,
-        which must write the same events (repro.events) into `run_dir`.
-        """
-        processes, nodes = cls.processes(recipe), recipe.run.nodes
-        if nodes == 1:
-            return launch.torchrun_local(processes, run_dir)
-        return launch.torchrun_node(nodes, processes // nodes, rdzv_endpoint, run_dir.name, run_dir)
-
-    @classmethod
-    def processes(cls, recipe: Recipe) -> int:
-        """Processes the launcher starts for the whole job (one per GPU unless the framework drives several)."""
-        return recipe.run.gpus
-
-    @classmethod
-    def global_batch(cls, recipe: Recipe) -> int:
-        """Samples per optimizer step over the whole job (the paper's rule: batch per GPU x GPUs)."""
-        return recipe.train.batch_per_gpu * recipe.run.gpus
-
-    @classmethod
-    def micro_batches(cls, recipe: Recipe) -> int:
-        """Micro-batches each global batch is cut into (1 where the framework does not pipeline)."""
-        return 1
-
-    @classmethod
-    def effective(cls, recipe: Recipe) -> dict[str, Any]:
-        """What this framework really trains with, under names every framework shares (MLflow's `effective.*`)."""
-        optimizer = recipe.optimizer()
-        return {"optimizer": optimizer.name, "lr": optimizer.lr, "weight_decay": optimizer.weight_decay,
-                "global_batch": cls.global_batch(recipe), "micro_batches": cls.micro_batches(recipe)}
 
     # -- per-rank behaviour --------------------------------------------------------------------
     def setup(self, model: nn.Sequential) -> None:
@@ -170,7 +118,7 @@ class Adapter:
 
     def pieces(self) -> dict[str, str]:
         """The implementation of each piece this rank trains with (model, data-parallel wrapper,
-        optimizer...), where it depends on the device; MLflow's `effective.*` beside Adapter.effective."""
+        optimizer...), where it depends on the device; MLflow's `effective.*` beside FrameworkPlan.effective."""
         return {}
 
     def data_shard(self) -> tuple[int, int]:

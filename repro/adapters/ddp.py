@@ -5,12 +5,11 @@ import torch
 from torch import nn
 
 from repro.adapters.base import Adapter
+from repro.adapters.ddp_plan import DDPPlan
 from repro.optim import make_optimizer
 
 
-class DDPAdapter(Adapter):
-    replicated_state = True  # DDP keeps every replica equal: rank 0's state dict is every rank's
-
+class DDPAdapter(DDPPlan, Adapter):
     def setup(self, model: nn.Sequential) -> None:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -18,28 +18,19 @@ shards into CHECKPOINT_FOLDER and reading them back into the same mesh.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from repro.adapters.base import Adapter, parameter_users
+from repro.adapters.fsdp_plan import FSDPPlan
 from repro.metrics import optimizer_tensors, tensor_bytes
 from repro.optim import make_optimizer
-from repro.recipe import FrameworkOptions, Recipe
-from repro.schema import RecipeError
 
 CHECKPOINT_FOLDER = "fsdp"  # the subfolder of a loop checkpoint that holds the DCP files
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class FSDPOptions(FrameworkOptions):
-    sharding: Literal["full", "grad-op", "hybrid"] = "full"
-    replicas: int = 2  # hybrid only: how many replicas of the sharded model (each shards over gpus/replicas ranks)
-    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -47,25 +38,7 @@ def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-class FSDPAdapter(Adapter):
-    Options = FSDPOptions
-
-    @classmethod
-    def check(cls, recipe: Recipe, source: str) -> None:
-        options = recipe.options()
-        if recipe.train.precision == "fp16":
-            raise RecipeError(
-                source, "train.precision",
-                "fsdp runs fp32 or bf16 (fp16 would need loss scaling of sharded gradients); use bf16",
-            )
-        gpus = recipe.run.gpus
-        if options.sharding == "hybrid" and (options.replicas < 2 or gpus % options.replicas):
-            raise RecipeError(
-                source, "fsdp.replicas",
-                f"hybrid sharding needs at least 2 replicas that divide the GPUs: "
-                f"{gpus} % {options.replicas} = {gpus % max(options.replicas, 1)}",
-            )
-
+class FSDPAdapter(FSDPPlan, Adapter):
     def setup(self, model: nn.Sequential) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

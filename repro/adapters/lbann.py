@@ -1,8 +1,8 @@
 """LBANN: the C++ framework with its own runtime, driven through its Python front end.
 
 LBANN does not fit the per-step loop (repro.loop): it reads its data, trains and validates in
-its own binary. So this adapter only supplies facts and the job's command line; the job is
-repro.adapters.lbann_driver, which
+its own binary. So LBANN has a framework plan (LBANNPlan: facts and the job's command line) and no
+per-rank adapter; the job is repro.adapters.lbann_driver, which
   1. translates the recipe into a plan (`plan` below, pure): VGG-16 with the layers and
      initialisation of repro/workloads/vgg16.py, the recipe's optimizer and global batch, the
      ImageNet reader over the same files (lists of the ImageFolder samples), the print, timer
@@ -22,19 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from repro.adapters.base import Adapter
+from repro.adapters.plan import FrameworkPlan
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
+from repro.workloads.vgg16_plan import NORMALIZE, POOLS
 
 DRIVER_MODULE = "repro.adapters.lbann_driver"
 OPTIMIZERS = ("sgd", "adam")
 BYTES_PER_VALUE = 4  # LBANN's default build: dtype=float
-MAX_POOLS = 5  # VGG-16 halves the image five times
-# Mean and standard deviation per channel, as the workload normalises (RGB order).
-NORMALIZE = {
-    "imagenet": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
-    "digits": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
-}
 
 
 @dataclass
@@ -43,7 +38,7 @@ class LBANNOptions(FrameworkOptions):
     launcher: Literal["auto", "slurm", "mpirun"] = "auto"
 
 
-class LBANNAdapter(Adapter):
+class LBANNPlan(FrameworkPlan):
     Options = LBANNOptions
 
     workloads = ("vgg16",)
@@ -66,12 +61,12 @@ class LBANNAdapter(Adapter):
         if train.max_steps is not None:
             raise RecipeError(source, "train.max_steps", "LBANN trains whole epochs; use --epochs instead")
         spec = recipe.model
-        feature_size = spec.image_size // 2**MAX_POOLS
+        feature_size = spec.image_size // 2**POOLS
         if feature_size != spec.pool_size:
             raise RecipeError(
                 source, "model.pool_size",
                 f"LBANN has no adaptive pooling: the feature map must already be pool_size wide, but "
-                f"image_size {spec.image_size} / 2**{MAX_POOLS} = {feature_size} != pool_size {spec.pool_size}",
+                f"image_size {spec.image_size} / 2**{POOLS} = {feature_size} != pool_size {spec.pool_size}",
             )
 
     @classmethod
@@ -189,7 +184,7 @@ def plan(recipe: Recipe, data_dir: Path, work_dir: Path, num_classes: int) -> di
     optimizer, l2_scale = optimizer_plan(recipe)
     return {
         "seed": recipe.seed,
-        "mini_batch_size": LBANNAdapter.global_batch(recipe),  # LBANN's mini-batch is the global one
+        "mini_batch_size": LBANNPlan.global_batch(recipe),  # LBANN's mini-batch is the global one
         "epochs": recipe.train.epochs,
         "image_size": recipe.model.image_size,
         "layers": layers(recipe.model, num_classes),

@@ -1,4 +1,4 @@
-"""The LBANN job: `python -m repro.adapters.lbann_driver RUN_DIR` (LBANNAdapter.command).
+"""The LBANN job: `python -m repro.adapters.lbann_driver RUN_DIR` (LBANNPlan.command).
 
 It writes LBANN's inputs into RUN_DIR/lbann (label lists of the same ImageFolder samples the other
 frameworks read, plan.json, experiment.prototext), launches the `lbann` ranks with srun or mpirun,

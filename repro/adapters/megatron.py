@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -40,21 +39,10 @@ from repro.adapters.base import Adapter
 from repro.adapters.megatron_model import (
     build_gpt_model, copy_weights, layer_spec_name, megatron_weights, padded_vocab,
 )
+from repro.adapters.megatron_plan import MegatronPlan
 from repro.checkpoint import atomic_torch_save
 from repro.metrics import tensor_bytes
 from repro.optim import make_optimizer
-from repro.recipe import FrameworkOptions, Recipe
-from repro.schema import RecipeError
-
-MEGATRON_OPTIMIZERS = ("adam", "adamw", "sgd")  # what megatron-core's get_megatron_optimizer offers
-
-
-@dataclass
-class MegatronOptions(FrameworkOptions):
-    tp: int = 1  # tensor-parallel size: ranks that split each layer; dp = gpus / tp
-    # GPUs only: shard the optimizer state over the dp group (megatron-core's distributed optimizer).
-    # Off by default, as in the paper's Megatron-LM 2.3, which had none (it came with Megatron-LM 3.0).
-    distributed_optimizer: bool = False
 
 
 class RngStream:
@@ -88,48 +76,7 @@ class RngStream:
 # -- the adapter -------------------------------------------------------------------------------
 
 
-class MegatronAdapter(Adapter):
-    Options = MegatronOptions
-
-    workloads = ("gpt2",)
-    not_applicable_because = "Megatron's intra-layer scheme targets transformers"
-
-    @classmethod
-    def check(cls, recipe: Recipe, source: str) -> None:
-        tp, gpus, spec = recipe.options("megatron").tp, recipe.run.gpus, recipe.model
-        if tp < 1:
-            raise RecipeError(source, "megatron.tp", f"must be at least 1, got {tp}")
-        if gpus % tp:
-            raise RecipeError(
-                source, "megatron.tp", f"gpus ({gpus}) must be tp ({tp}) x dp: {gpus} % {tp} = {gpus % tp}"
-            )
-        if spec.n_head % tp:
-            raise RecipeError(
-                source, "megatron.tp", f"model.n_head ({spec.n_head}) must split over tp ({tp}): "
-                f"{spec.n_head} % {tp} = {spec.n_head % tp}",
-            )
-        if recipe.optimizer().name not in MEGATRON_OPTIMIZERS:
-            raise RecipeError(
-                source, "megatron.optimizer",
-                f"megatron-core's optimizers are {', '.join(MEGATRON_OPTIMIZERS)}, not {recipe.optimizer().name} "
-                "(LAMB's per-tensor trust ratio would be taken per shard); set megatron.optimizer",
-            )
-        if recipe.train.precision == "fp16":
-            raise RecipeError(
-                source, "train.precision",
-                "fp16 needs a loss scale agreed over the tp group: megatron-core's grad scaler has one on GPUs, "
-                "but the CPU path steps torch's optimizer without one, and the GPU path's fp16 is untested; "
-                "use bf16 or fp32",
-            )
-
-    @classmethod
-    def variant(cls, recipe: Recipe) -> str:
-        """The paper's name of this run's scheme: megatron-data (tp=1), -intra (tp=gpus) or -hybrid."""
-        tp = recipe.options("megatron").tp
-        if tp == 1:
-            return "megatron-data"
-        return "megatron-intra" if tp == recipe.run.gpus else "megatron-hybrid"
-
+class MegatronAdapter(MegatronPlan, Adapter):
     def setup(self, model: nn.Sequential) -> None:
         from megatron.core import parallel_state
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from repro.workloads.gpt2 import GPT2Spec
+from repro.workloads.gpt2_plan import GPT2Spec
 
 LAYER_NORM_EPS = 1e-5  # torch's nn.LayerNorm default, which the plain GPT-2 uses
 

@@ -59,21 +59,14 @@ from torch.func import functional_call
 
 from repro.adapters import pipeline
 from repro.adapters.base import Adapter, Reduction
+from repro.adapters.pipedream_plan import PipeDreamPlan
 from repro.checkpoint import atomic_torch_save
 from repro.communication import CallCounter
 from repro.metrics import tensor_bytes
 from repro.optim import make_optimizer
-from repro.recipe import FrameworkOptions, Recipe
-from repro.schema import RecipeError
 
 HEADER = 8  # int64 slots sent before an activation: version, number of dims, up to 6 sizes
 TRACE_LENGTH = 4096  # most recent forward/backward records kept for inspection
-
-
-@dataclass
-class PipeDreamOptions(FrameworkOptions):
-    balance: list[int] | None = None  # layers per stage; None: balanced by measured per-layer time
-    vertical_sync: bool = False
 
 
 @dataclass
@@ -94,23 +87,7 @@ class InFlight:
                 "params": self.params, "random_state": self.random_state, "grad_output": self.grad_output}
 
 
-class PipeDreamAdapter(Adapter):
-    Options = PipeDreamOptions
-
-    @classmethod
-    def check(cls, recipe: Recipe, source: str) -> None:
-        options = recipe.options("pipedream")
-        pipeline.require_fp32(recipe, source, "pipedream")
-        if options.balance is not None and len(options.balance) != recipe.run.gpus:
-            raise RecipeError(
-                source, "pipedream.balance",
-                f"needs one entry per stage (GPU): {len(options.balance)} entries for {recipe.run.gpus} GPUs",
-            )
-
-    @classmethod
-    def global_batch(cls, recipe: Recipe) -> int:
-        return recipe.train.batch_per_gpu
-
+class PipeDreamAdapter(PipeDreamPlan, Adapter):
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, model: nn.Sequential) -> None:
         self.stages, self.stage = self.ctx.world, self.ctx.rank

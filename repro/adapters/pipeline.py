@@ -16,8 +16,6 @@ import torch
 from torch import nn
 
 from repro.adapters.base import Reduction
-from repro.recipe import Recipe
-from repro.schema import RecipeError
 
 TIMING_REPEATS = 3
 
@@ -74,12 +72,6 @@ def sum_tied_gradients(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
         total = original.grad + copy.grad.to(original.device)
         original.grad.copy_(total)
         copy.grad.copy_(total)
-
-
-def require_fp32(recipe: Recipe, source: str, framework: str) -> None:
-    """The paper ran both pipeline frameworks in fp32 (neither offered mixed precision)."""
-    if recipe.train.precision != "fp32":
-        raise RecipeError(source, "train.precision", f"{framework} runs fp32 as in the paper; got {recipe.train.precision}")
 
 
 def group_of_layers(balance: Sequence[int]) -> list[int]:

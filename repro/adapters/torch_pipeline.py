@@ -25,47 +25,19 @@ none to save.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from repro import registry
 from repro.adapters import pipeline
 from repro.adapters.base import Adapter, Reduction, parameter_users
+from repro.adapters.torch_pipeline_plan import MULTI_STAGE, SCHEDULES, TorchPipelinePlan, microbatches, stages_per_rank
 from repro.checkpoint import atomic_torch_save
 from repro.optim import make_optimizer
 from repro.partition import balance
-from repro.recipe import FrameworkOptions, Recipe, section_key
-from repro.schema import RecipeError
-
-SCHEDULES = {  # recipe name -> class in torch.distributed.pipelining
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zero-bubble": "ScheduleInterleavedZeroBubble",
-}
-MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
-SECTION = section_key("torch-pipeline")
-
-
-@dataclass
-class TorchPipelineOptions(FrameworkOptions):
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
-    microbatches: int | None = None  # per global batch; default 2 x GPUs
-    stages_per_rank: int | None = None  # default 1, or 2 for the interleaved schedules (which need 2 or more)
-    balance: list[int] | None = None  # layers per stage; default balances parameter counts
-
-
-def stages_per_rank(options: TorchPipelineOptions) -> int:
-    return options.stages_per_rank or (2 if options.schedule in MULTI_STAGE else 1)
-
-
-def microbatches(recipe: Recipe) -> int:
-    return recipe.options().microbatches or 2 * recipe.run.gpus
 
 
 def stage_starts(model: nn.Sequential) -> list[bool]:
@@ -78,87 +50,7 @@ def layer_weights(model: nn.Sequential) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in model]
 
 
-def valid_split(weights: list[int], starts: list[bool], sizes: list[int]) -> bool:
-    """Every stage non-empty, with parameters, and beginning where a stage may begin."""
-    firsts = [sum(sizes[:s]) for s in range(len(sizes))]
-    return min(sizes) >= 1 and all(
-        starts[first] and sum(weights[first : first + size]) for first, size in zip(firsts, sizes)
-    )
-
-
-class TorchPipelineAdapter(Adapter):
-    Options = TorchPipelineOptions
-
-    @classmethod
-    def micro_batches(cls, recipe: Recipe) -> int:
-        return microbatches(recipe)
-
-    @classmethod
-    def check(cls, recipe: Recipe, source: str) -> None:
-        import torch.distributed.pipelining as pipelining
-
-        options = recipe.options()
-        if not hasattr(pipelining, SCHEDULES[options.schedule]):
-            raise RecipeError(source, f"{SECTION}.schedule", f"this PyTorch ({torch.__version__}) has no {options.schedule} schedule")
-        if recipe.train.precision == "fp16":
-            raise RecipeError(source, "train.precision", "torch-pipeline runs fp32 or bf16 (no loss scaling across stages); use bf16")
-        stages = cls.check_stages(recipe, source)
-        cls.check_microbatches(recipe, source, stages)
-
-    @classmethod
-    def check_stages(cls, recipe: Recipe, source: str) -> int:
-        """The number of stages, once it fits the schedule, the GPUs and the model's layers."""
-        options, gpus = recipe.options(), recipe.run.gpus
-        per_rank = stages_per_rank(options)
-        if (options.schedule in MULTI_STAGE) != (per_rank > 1):
-            raise RecipeError(
-                source, f"{SECTION}.stages_per_rank",
-                f"{options.schedule} needs {'2 or more stages' if options.schedule in MULTI_STAGE else '1 stage'} per rank, got {per_rank}",
-            )
-        model = cls.meta_model(recipe)
-        stages, weights, starts = gpus * per_rank, layer_weights(model), stage_starts(model)
-        trainable = sum(1 for weight in weights if weight)
-        if stages > trainable:  # every stage needs a parameter, or its optimizer has nothing to step
-            raise RecipeError(
-                source, "run.gpus",
-                f"{gpus} GPUs x {per_rank} stages per rank = {stages} stages, but the model has only {trainable} layers with parameters",
-            )
-        sizes = options.balance
-        if sizes is None:
-            try:
-                balance(weights, stages, starts)
-            except ValueError as error:
-                raise RecipeError(source, "run.gpus", str(error)) from None
-        elif len(sizes) != stages or sum(sizes) != len(weights) or not valid_split(weights, starts, sizes):
-            raise RecipeError(
-                source, f"{SECTION}.balance",
-                f"needs {stages} layer counts summing to {len(weights)}, each stage with parameters and not beginning "
-                f"with an in-place layer, got {sizes} (sum {sum(sizes)})",
-            )
-        return stages
-
-    @classmethod
-    def check_microbatches(cls, recipe: Recipe, source: str, stages: int) -> None:
-        field, count, batch = f"{SECTION}.microbatches", microbatches(recipe), cls.global_batch(recipe)
-        if count < 1 or batch % count:
-            raise RecipeError(source, field, f"the global batch ({batch}) must split into {count} equal microbatches: {batch} % {count} = {batch % max(count, 1)}")
-        schedule = recipe.options().schedule
-        if schedule == "1f1b" and count < stages:
-            raise RecipeError(source, field, f"1f1b needs at least one microbatch per stage: {count} < {stages} stages")
-        rounds = max(1, count // recipe.run.gpus)
-        if schedule in MULTI_STAGE and count % rounds:
-            raise RecipeError(
-                source, field,
-                f"{schedule} runs max(1, {count} // {recipe.run.gpus}) = {rounds} rounds, which must divide {count} microbatches",
-            )
-
-    @staticmethod
-    def meta_model(recipe: Recipe) -> nn.Sequential:
-        """The workload's layers on the meta device (no memory): enough to count and weigh them."""
-        workload = registry.workload_class(recipe.workload)(recipe.model, recipe.data, None)
-        with torch.device("meta"):
-            return workload.build_model()
-
+class TorchPipelineAdapter(TorchPipelinePlan, Adapter):
     @property
     def stage_count(self) -> int:
         return self.ctx.world * stages_per_rank(self.options)

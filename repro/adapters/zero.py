@@ -17,7 +17,6 @@ sizes from the `zero:` section. The resolved DeepSpeed configuration is written 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,58 +24,19 @@ import torch
 from torch import nn
 
 from repro.adapters.base import Adapter
+from repro.adapters.zero_plan import ZeroPlan
 from repro.metrics import optimizer_tensors, tensor_bytes
 from repro.optim import make_optimizer
-from repro.recipe import FrameworkOptions, Recipe
-from repro.schema import RecipeError
 
 CONFIG_FILE = "deepspeed_config.json"
 CHECKPOINT_TAG = "zero"  # the subfolder of a loop checkpoint that holds DeepSpeed's files
-STAGES = (1, 2, 3)
-# torch optimizers whose state ZeRO knows how to partition (deepspeed.runtime.zero.utils)
-ZERO_OPTIMIZERS = ("adam", "adamw")
 AUTOCAST_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 # Model state peaks from the second step on (the optimizer allocates its state in the first); counting
 # only the first steps keeps the count's cost (milliseconds under stage 3) out of later timed steps.
 COUNTED_STEPS = 3
 
 
-@dataclass
-class ZeroOptions(FrameworkOptions):
-    """The `zero:` recipe section. Sizes are in elements; their defaults are DeepSpeed's."""
-
-    stage: int = 2  # the Table 2 default; configs/*-paper.yaml give the reason
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    # stage 3: parameters with fewer elements stay whole on every rank
-    param_persistence_threshold: int = 100_000
-    prefetch_bucket_size: int = 50_000_000
-
-
-class ZeroAdapter(Adapter):
-    Options = ZeroOptions
-
-    @classmethod
-    def check(cls, recipe: Recipe, source: str) -> None:
-        options: ZeroOptions = recipe.options("zero")
-        if options.stage not in STAGES:
-            raise RecipeError(source, "zero.stage", f"got {options.stage}; ZeRO stages are 1, 2 and 3")
-        optimizer = recipe.optimizer()
-        if optimizer.name not in ZERO_OPTIMIZERS:
-            field = "zero.optimizer.name" if options.optimizer else "train.optimizer.name"
-            raise RecipeError(
-                source, field,
-                f"ZeRO stage {options.stage} partitions only Adam-type optimizer state; got {optimizer.name!r}, "
-                f"valid: {', '.join(ZERO_OPTIMIZERS)} (set zero.optimizer to override the workload's optimizer)",
-            )
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
-            if getattr(options, name) < 1:
-                raise RecipeError(source, f"zero.{name}", f"must be at least 1 element, got {getattr(options, name)}")
-        if options.param_persistence_threshold < 0:
-            raise RecipeError(source, "zero.param_persistence_threshold", "must be at least 0")
-
+class ZeroAdapter(ZeroPlan, Adapter):
     def deepspeed_config(self) -> dict[str, Any]:
         """The configuration handed to deepspeed.initialize, every arithmetic setting explicit."""
         recipe, options = self.ctx.recipe, self.options

@@ -4,7 +4,7 @@ A comparison of two frameworks means something only where they train alike; wher
 (the smoke recipes give DDP LAMB at lr 0.01 and ZeRO Adam at lr 0.001), every place of the report
 that compares them says how they differ. The settings are read from MLflow's `effective.*` params
 (what the framework really trains with, the same names for every framework); a run recorded
-before those params existed falls back to its recipe (through the same `Adapter.effective`).
+before those params existed falls back to its recipe (through the same `FrameworkPlan.effective`).
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ def from_params(params: dict[str, str], recipe: Recipe | None) -> dict[str, str]
 
 
 def from_recipe(recipe: Recipe) -> dict[str, str]:
-    """The settings a recipe trains with, as its framework's adapter derives them (`Adapter.effective`)."""
+    """The settings a recipe trains with, as its framework's plan derives them (`FrameworkPlan.effective`)."""
     from repro import registry
 
-    adapter = registry.load(registry.framework(recipe.run.framework).adapter)
-    values: dict[str, Any] = {**adapter.effective(recipe), "precision": recipe.train.precision}
+    plan = registry.load(registry.framework(recipe.run.framework).plan)
+    values: dict[str, Any] = {**plan.effective(recipe), "precision": recipe.train.precision}
     return {key: str(value) for key, value in values.items()}
 
 

@@ -32,7 +32,7 @@ def new_folder(recipe: Recipe, explicit: Path | None = None) -> RunFolder:
 def find_resumable(recipe: Recipe, wanted: str) -> RunFolder:
     """The run folder to continue: the one named, or the newest of this recipe's run name."""
     framework = recipe.run.framework
-    refusal = registry.adapter_class(framework).no_checkpoint_because(framework)
+    refusal = registry.plan_class(framework).no_checkpoint_because(framework)
     if refusal:
         raise LaunchError(f"--resume: {refusal}")
     if wanted != "latest":

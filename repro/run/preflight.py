@@ -37,9 +37,8 @@ def check_data(recipe: Recipe) -> Verified:
 
 def check_data_size(recipe: Recipe, data_dir: Path) -> None:
     """The training split holds at least one global batch, so every epoch has a step."""
-    workload = registry.workload_class(recipe.workload)(recipe.model, recipe.data, data_dir)
-    samples = workload.train_samples()
-    batch = registry.adapter_class(recipe.run.framework).global_batch(recipe)
+    samples = registry.workload_plan(recipe.workload).train_samples(recipe, data_dir)
+    batch = registry.plan_class(recipe.run.framework).global_batch(recipe)
     if batch > samples:
         why = f"at most, in {recipe.data.dataset}"
         raise RecipeError(str(data_dir), "train.batch_per_gpu", batch_too_big(recipe, batch, samples, why))
@@ -48,7 +47,7 @@ def check_data_size(recipe: Recipe, data_dir: Path) -> None:
 def check_nodes(recipe: Recipe, options: Launch) -> None:
     """The processes spread evenly over the nodes, and --node-rank names one of them."""
     nodes = recipe.run.nodes
-    processes = registry.adapter_class(recipe.run.framework).processes(recipe)
+    processes = registry.plan_class(recipe.run.framework).processes(recipe)
     if processes % nodes:
         raise LaunchError(f"--nodes {nodes}: {processes} processes do not spread evenly over {nodes} nodes")
     if not 0 <= options.node_rank < nodes:
@@ -96,7 +95,7 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
             "use --launcher slurm" + ("" if run.device == "cuda" else ", or --set run.device=cpu for CPU processes"))
     if run.device == "cuda" or (run.device == "auto" and gpus_here):
         return
-    processes = registry.adapter_class(run.framework).processes(recipe) // run.nodes
+    processes = registry.plan_class(run.framework).processes(recipe) // run.nodes
     cores = hardware.cpu_cores()
     if processes > CPU_PROCESSES_PER_CORE * cores and not options.oversubscribe:
         raise LaunchError(

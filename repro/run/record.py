@@ -40,7 +40,7 @@ def run_params(recipe: Recipe) -> dict[str, str]:
     params = recipe.flat()
     if recipe.optimizer() is not recipe.train.optimizer:  # the framework's section overrides the workload's
         params = {k: v for k, v in params.items() if not k.startswith("train.optimizer.")}
-    effective = registry.adapter_class(recipe.run.framework).effective(recipe)
+    effective = registry.plan_class(recipe.run.framework).effective(recipe)
     return {**params, **{f"{names.EFFECTIVE}{k}": str(v) for k, v in effective.items()}}
 
 

@@ -35,6 +35,8 @@ def output_to(fd: int) -> Iterator[None]:
     saved = os.dup(1), os.dup(2)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    for stream in (sys.stdout, sys.stderr):  # torch's TailLog writes the ranks' tee'd lines without a flush
+        stream.reconfigure(line_buffering=True)  # (elastic/multiprocessing/tail_log.py, tail_logfile)
     try:
         yield
     finally:

@@ -7,38 +7,14 @@ projections scaled by 1/sqrt(2 * layers).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from repro.data import SYNTHETIC
-from repro.recipe import Recipe
-from repro.schema import AT_LEAST_1, FRACTION, RecipeError
-from repro.workloads import Workload
-
-TOKENIZER_VOCAB = {"bytes": 256, "gpt2": 50257}
-SPLIT_FILES = {
-    "wikitext-2": ("valid.txt", "test.txt"),  # smoke: train on validation, validate on test
-    "wikitext-103": ("train.txt", "valid.txt"),
-}
-
-
-@dataclass
-class GPT2Spec:
-    n_layer: Annotated[int, AT_LEAST_1] = 24
-    d_model: Annotated[int, AT_LEAST_1] = 1024
-    n_head: Annotated[int, AT_LEAST_1] = 16
-    seq_len: Annotated[int, AT_LEAST_1] = 1024
-    tokenizer: Literal["bytes", "gpt2"] = "gpt2"
-    dropout: Annotated[float, FRACTION] = 0.1
-
-    @property
-    def vocab_size(self) -> int:
-        return TOKENIZER_VOCAB[self.tokenizer]
+from repro.workloads.base import Workload
+from repro.workloads.gpt2_plan import SPLIT_FILES, GPT2Plan, GPT2Spec
 
 
 class Embedding(nn.Module):
@@ -155,32 +131,13 @@ def tokenize(path: Path, tokenizer: str) -> torch.Tensor:
     return torch.tensor(Tokenizer.from_pretrained("gpt2").encode(text).ids, dtype=torch.long)
 
 
-class GPT2Workload(Workload):
-    ModelSpec = GPT2Spec
-    metric = "perplexity"
-    higher_is_better = False
-    supported_datasets = (*SPLIT_FILES, SYNTHETIC)
-
-    @classmethod
-    def check(cls, recipe: Recipe, source: str) -> None:
-        super().check(recipe, source)
-        spec = recipe.model
-        if spec.d_model % spec.n_head:
-            raise RecipeError(source, "model.n_head", f"the heads must split d_model evenly: "
-                              f"{spec.d_model} % {spec.n_head} = {spec.d_model % spec.n_head}")
-
+class GPT2Workload(GPT2Plan, Workload):
     def build_model(self) -> nn.Sequential:
         return build_gpt2(self.spec)
 
     def random_samples(self, count: int, generator: torch.Generator) -> TokenChunks:
         ids = torch.randint(self.spec.vocab_size, (count * self.spec.seq_len + 1,), generator=generator)
         return TokenChunks(ids, self.spec.seq_len)
-
-    def real_train_samples(self) -> int:
-        """Windows of the training file's bytes: exact for the byte tokenizer, and an upper bound for
-        GPT-2's, whose tokens are at least one byte each."""
-        size = (self.data_dir / SPLIT_FILES[self.data.dataset][0]).stat().st_size
-        return max(size - 1, 0) // self.spec.seq_len
 
     def real_datasets(self) -> tuple[TokenChunks, TokenChunks]:
         train_file, val_file = SPLIT_FILES[self.data.dataset]

@@ -6,35 +6,13 @@ The smoke variant divides the convolution widths and shrinks the classifier for 
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Annotated
-
 import torch
 from torch import nn
 from torchvision import datasets, transforms
 from torchvision.models.vgg import cfgs, make_layers
 
-from repro.recipe import Recipe
-from repro.schema import AT_LEAST_1, FRACTION, Bounds, RecipeError
-from repro.workloads import Workload, limit
-
-NORMALIZE = {
-    "imagenet": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
-    "digits": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
-}
-NUM_CLASSES = {"imagenet": 1000, "digits": 10, "synthetic": 1000}
-DIGITS_SIZE = 32  # repro.data.sets writes digits at this size and they are not resampled
-POOLS = 5  # configuration D halves the image five times
-
-
-@dataclass
-class VGG16Spec:
-    width_div: Annotated[int, Bounds(low=1, high=64)] = 1  # 64, the narrowest layer, keeps one channel
-    classifier_width: Annotated[int, AT_LEAST_1] = 4096
-    pool_size: Annotated[int, AT_LEAST_1] = 7
-    image_size: Annotated[int, Bounds(low=2**POOLS)] = 224
-    dropout: Annotated[float, FRACTION] = 0.5
+from repro.workloads.base import Workload, limit
+from repro.workloads.vgg16_plan import NORMALIZE, NUM_CLASSES, VGG16Plan, VGG16Spec
 
 
 def build_vgg16(spec: VGG16Spec, num_classes: int) -> nn.Sequential:
@@ -79,19 +57,7 @@ def conv_flops(model: nn.Sequential, image_size: int) -> float:
     return total
 
 
-class VGG16Workload(Workload):
-    ModelSpec = VGG16Spec
-    metric = "accuracy"
-    higher_is_better = True
-    supported_datasets = tuple(NUM_CLASSES)
-
-    @classmethod
-    def check(cls, recipe: Recipe, source: str) -> None:
-        super().check(recipe, source)
-        if recipe.data.dataset == "digits" and recipe.model.image_size != DIGITS_SIZE:
-            raise RecipeError(source, "model.image_size", f"digits are {DIGITS_SIZE}x{DIGITS_SIZE} images and are "
-                              f"not resampled; set model.image_size={DIGITS_SIZE}, not {recipe.model.image_size}")
-
+class VGG16Workload(VGG16Plan, Workload):
     @property
     def num_classes(self) -> int:
         return NUM_CLASSES[self.data.dataset]
@@ -114,10 +80,6 @@ class VGG16Workload(Workload):
         size = self.spec.image_size
         images = torch.randn(count, 3, size, size, generator=generator)
         return torch.utils.data.TensorDataset(images, torch.randint(self.num_classes, (count,), generator=generator))
-
-    def real_train_samples(self) -> int:
-        """Files under train/ (ImageFolder keeps only the images among them)."""
-        return sum(len(files) for _, _, files in os.walk(self.data_dir / "train"))
 
     def real_datasets(self) -> tuple[datasets.ImageFolder, datasets.ImageFolder]:
         train = datasets.ImageFolder(str(self.data_dir / "train"), self._transforms(True))

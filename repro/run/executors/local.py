@@ -25,8 +25,8 @@ class LocalExecutor(Executor):
         preflight.check_memory(self.recipe, self.options)
 
     def command(self, run_dir: Path) -> list[str]:
-        """The framework's launch line (torchrun of repro.loop, unless its adapter says otherwise)."""
-        return registry.adapter_class(self.recipe.run.framework).command(self.recipe, run_dir, self.options.rdzv_endpoint)
+        """The framework's launch line (torchrun of repro.loop, unless its plan says otherwise)."""
+        return registry.plan_class(self.recipe.run.framework).command(self.recipe, run_dir, self.options.rdzv_endpoint)
 
     def dry_run(self, data_dir: Path, tracking_uri: str) -> str:
         return " ".join(self.command(DRY_RUN_DIR))

@@ -34,7 +34,7 @@ class SlurmExecutor(Executor):
 
     def job(self, run_dir: Path, data_dir: Path, tracking_uri: str) -> launch.SlurmJob:
         recipe, options = self.recipe, self.options
-        processes = registry.adapter_class(recipe.run.framework).processes(recipe)
+        processes = registry.plan_class(recipe.run.framework).processes(recipe)
         nodes = recipe.run.nodes
         gpus_per_node = recipe.run.gpus // nodes if cluster_has_gpus(options.partition, options.dry_run) else 0
         return launch.SlurmJob(

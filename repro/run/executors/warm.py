@@ -31,14 +31,14 @@ def stand_in_ranks(recipe: Recipe, options: Launch) -> bool:
     if options.launcher != "local" or options.node_rank:
         return False
     on_gpu = recipe.run.device == "cuda" or (recipe.run.device == "auto" and hardware.gpu_count())
-    command = registry.adapter_class(recipe.run.framework).command(recipe, DRY_RUN_DIR, options.rdzv_endpoint)
+    command = registry.plan_class(recipe.run.framework).command(recipe, DRY_RUN_DIR, options.rdzv_endpoint)
     return not on_gpu and plan.runs_torchrun_of_the_loop(recipe, command, DRY_RUN_DIR)
 
 
 class WarmExecutor(LocalExecutor):
     def __init__(self, recipe: Recipe, options: Launch):
         super().__init__(recipe, options)
-        self.processes = registry.adapter_class(recipe.run.framework).processes(recipe)
+        self.processes = registry.plan_class(recipe.run.framework).processes(recipe)
         self.launcher: Launcher | None = options.warm
 
     @classmethod

@@ -1,0 +1,51 @@
+"""DeepSpeed ZeRO, as the parent plans it: the `zero:` recipe section and its checks (torch-free;
+the adapter, which imports DeepSpeed: repro.adapters.zero)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from repro.adapters.plan import FrameworkPlan
+from repro.recipe import FrameworkOptions, Recipe
+from repro.schema import RecipeError
+
+STAGES = (1, 2, 3)
+# torch optimizers whose state ZeRO knows how to partition (deepspeed.runtime.zero.utils)
+ZERO_OPTIMIZERS = ("adam", "adamw")
+
+
+@dataclass
+class ZeroOptions(FrameworkOptions):
+    """The `zero:` recipe section. Sizes are in elements; their defaults are DeepSpeed's."""
+
+    stage: int = 2  # the Table 2 default; configs/*-paper.yaml give the reason
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    # stage 3: parameters with fewer elements stay whole on every rank
+    param_persistence_threshold: int = 100_000
+    prefetch_bucket_size: int = 50_000_000
+
+
+class ZeroPlan(FrameworkPlan):
+    Options = ZeroOptions
+    own_checkpoint = True  # DeepSpeed's own: every rank writes its partition
+
+    @classmethod
+    def check(cls, recipe: Recipe, source: str) -> None:
+        options: ZeroOptions = recipe.options("zero")
+        if options.stage not in STAGES:
+            raise RecipeError(source, "zero.stage", f"got {options.stage}; ZeRO stages are 1, 2 and 3")
+        optimizer = recipe.optimizer()
+        if optimizer.name not in ZERO_OPTIMIZERS:
+            field = "zero.optimizer.name" if options.optimizer else "train.optimizer.name"
+            raise RecipeError(
+                source, field,
+                f"ZeRO stage {options.stage} partitions only Adam-type optimizer state; got {optimizer.name!r}, "
+                f"valid: {', '.join(ZERO_OPTIMIZERS)} (set zero.optimizer to override the workload's optimizer)",
+            )
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+            if getattr(options, name) < 1:
+                raise RecipeError(source, f"zero.{name}", f"must be at least 1 element, got {getattr(options, name)}")
+        if options.param_persistence_threshold < 0:
+            raise RecipeError(source, "zero.param_persistence_threshold", "must be at least 0")
