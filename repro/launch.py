@@ -47,11 +47,21 @@ def torchrun_local(processes: int, run_dir: Path, python: str = sys.executable) 
     ]
 
 
+# The environment torchrun would give the one process of a one-process CPU run, started without a launcher;
+# port 0: the rank hosts the store itself and binds a free port (no peer needs it).
+SINGLE_RANK_ENV = ("RANK=0", "LOCAL_RANK=0", "WORLD_SIZE=1", "LOCAL_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=0")
+PRIMED_MODULE = "repro.warm.primed"
+
+
 def single_rank(run_dir: Path, python: str = sys.executable) -> list[str]:
-    """The one process of a one-process CPU run, started without a launcher, with the environment
-    torchrun would give it; port 0: the rank hosts the store itself and binds a free port (no peer needs it)."""
-    environment = ["RANK=0", "LOCAL_RANK=0", "WORLD_SIZE=1", "LOCAL_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=0"]
-    return ["env", *environment, python, "-m", LOOP_MODULE, str(run_dir)]
+    """The one process of a one-process CPU run."""
+    return ["env", *SINGLE_RANK_ENV, python, "-m", LOOP_MODULE, str(run_dir)]
+
+
+def primed_single_rank(modules: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The same process started before its run folder is ready: it imports `modules`, then reads the
+    folder's path from stdin (repro.warm.primed)."""
+    return ["env", *SINGLE_RANK_ENV, python, "-m", PRIMED_MODULE, *modules]
 
 
 def lbann_srun(nodes: int, gpus: int, lbann: str, prototext: Path) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,8 +14,12 @@ import psutil
 import pytest
 
 import rank_probe
+from repro import launch
+from repro.recipe import load_file, recipe_path
+from repro.run.executors import for_launch
+from repro.run.options import Launch
 from repro.run.torchrun_failure import describe_failure
-from repro.warm import ranks
+from repro.warm import plan, ranks
 from repro.warm.client import Launcher
 
 pytestmark = pytest.mark.ranks
@@ -72,3 +77,17 @@ def test_a_launcher_whose_parent_goes_stops_its_ranks_which_save(tmp_path: Path,
     launcher.channel.close()  # as when the parent dies
     assert launcher.process.wait(timeout=60) == 0
     assert [(tmp_path / f"rank{r}.saved").read_text() for r in range(2)] == ["SIGTERM"] * 2
+
+
+def test_a_one_process_run_primes_its_rank_which_ends_when_no_run_folder_comes():
+    """The rank of a one-process run starts importing before its folder and MLflow record exist; a run that
+    stops before its job (refused, nothing to resume) ends it, and a rank told nothing ends by itself."""
+    recipe = load_file(recipe_path("gpt2", "smoke"), ["run.gpus=1", "run.device=cpu"])
+    executor = for_launch(recipe, Launch())
+    with executor.running():
+        assert executor.primed.args == launch.primed_single_rank(plan.preload([recipe]))
+        primed = psutil.Process(executor.primed.pid)
+        assert primed.is_running()
+    assert executor.primed.returncode == -signal.SIGKILL and not primed.is_running()
+    told_nothing = subprocess.run(launch.primed_single_rank([]), input="", capture_output=True, text=True, timeout=120)
+    assert (told_nothing.returncode, told_nothing.stdout) == (0, "")

@@ -56,8 +56,8 @@ class LauncherProcess(subprocess.Popen):
     """The job's launcher (torchrun, srun's steps, a single rank) with its output piped, in a session of its
     own: a terminal's Ctrl-C reaches only us; we stop the job in order."""
 
-    def __init__(self, command: list[str]):
-        super().__init__(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+    def __init__(self, command: list[str], stdin: int | None = None):
+        super().__init__(command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                          start_new_session=True)
 
     def roots(self) -> list[psutil.Process]:
