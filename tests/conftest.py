@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import lanes
 import tiers
 from host import need
 from references import References
@@ -95,6 +96,7 @@ def wait_for_event(
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: an unmarked test must not vanish from every tier
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers.check_every_test_has_one_tier(items)
+    lanes.group_by_shared_fixtures(items)
 
 
 @pytest.hookimpl(tryfirst=True)  # before any fixture starts a daemon
@@ -160,8 +162,9 @@ def shared_repro(tmp_path_factory: pytest.TempPathFactory) -> Repro:
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory: pytest.TempPathFactory) -> References:
-    """The session's store of reference runs (tests/references.py): each trained once, on first use."""
-    return References(tmp_path_factory.mktemp("references"))
+    """The session's store of reference runs (tests/references.py): each trained once, on first use, by
+    whichever of the session's processes needs it first."""
+    return References(lanes.session_folder(tmp_path_factory, "references"))
 
 
 def mlflow_runs(uri: str, experiment: str = "repro") -> list:
@@ -183,8 +186,18 @@ def running_runs(uri: str) -> list[str]:
     return [r.info.run_id for r in client.search_runs(ids) if r.info.status in ("RUNNING", "SCHEDULED")] if ids else []
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller: a worker has finished
+def pytest_testnodedown(node, error) -> None:
+    STORES.update(getattr(node, "workeroutput", {}).get("mlflow_stores", ()))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the session when a test left a RUNNING or SCHEDULED run behind (a run nobody will ever end)."""
+    """Fail the session when a test left a RUNNING or SCHEDULED run behind (a run nobody will ever end).
+
+    A pytest-xdist worker hands its stores to the controller, which checks them all at its own end."""
+    if lanes.worker():
+        session.config.workeroutput["mlflow_stores"] = sorted(STORES)
+        return
     left = {uri: ids for uri in sorted(STORES) if (ids := running_runs(uri))}
     if left:
         print(f"\nunsettled runs left behind: {left}")
