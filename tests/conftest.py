@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,27 @@ class Repro:
             capture_output=True, text=True, timeout=timeout,
         )
         return Result(out.returncode, out.stdout, out.stderr, self.cwd)
+
+    def here(self, *args: str) -> Result:
+        """`repro ARGS` in this process (click's runner), with this scratch folder's environment and working
+        folder: for the units tier's refusals, dry runs and listings, which then pay no cold start of a
+        fresh interpreter importing torch. What reaches a real process's stderr reaches `stderr` here,
+        an uncaught exception as its traceback."""
+        from click.testing import CliRunner
+
+        from repro import cli
+
+        unset = {key: None for key in os.environ if key not in self.env}
+        before = Path.cwd()
+        os.chdir(self.cwd)
+        try:
+            out = CliRunner(env={**self.env, **unset}).invoke(cli.main, list(args))
+        finally:
+            os.chdir(before)
+        stderr = out.stderr
+        if out.exception is not None and not isinstance(out.exception, SystemExit):
+            stderr += "".join(traceback.format_exception(*out.exc_info))
+        return Result(out.exit_code, out.stdout, stderr, self.cwd)
 
     def start(self, *args: str, log: str = "output.txt") -> subprocess.Popen:
         """`repro ARGS` in the background, its output going to the file `log` in the scratch folder."""
