@@ -183,10 +183,10 @@ def shared_repro(tmp_path_factory: pytest.TempPathFactory) -> Repro:
 
 
 @pytest.fixture(scope="session")
-def references(tmp_path_factory: pytest.TempPathFactory) -> References:
+def references(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> References:
     """The session's store of reference runs (tests/references.py): each trained once, on first use, by
     whichever of the session's processes needs it first."""
-    return References(lanes.session_folder(tmp_path_factory, "references"))
+    return References(lanes.session_folder(request.config, tmp_path_factory, "references"))
 
 
 def mlflow_runs(uri: str, experiment: str = "repro") -> list:
@@ -217,7 +217,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session when a test left a RUNNING or SCHEDULED run behind (a run nobody will ever end).
 
     A pytest-xdist worker hands its stores to the controller, which checks them all at its own end."""
-    if lanes.worker():
+    if lanes.worker(session.config):
         session.config.workeroutput["mlflow_stores"] = sorted(STORES)
         return
     left = {uri: ids for uri in sorted(STORES) if (ids := running_runs(uri))}

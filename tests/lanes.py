@@ -9,7 +9,6 @@ workers through a folder (tests/references.py), so its tests stay free.
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,19 +21,20 @@ SHARED_BY_ITSELF = {"references"}  # session fixtures that share their work acro
 WIDER_THAN_A_TEST = {"session", "package", "module", "class"}
 
 
-def worker() -> str | None:
-    """This process's pytest-xdist worker ("gw0", ...), None outside xdist or in its controller."""
-    return os.environ.get("PYTEST_XDIST_WORKER")
+def worker(config: pytest.Config) -> str | None:
+    """The pytest-xdist worker ("gw0", ...) that `config` is of; None outside xdist or in its controller.
+    (Not $PYTEST_XDIST_WORKER: a pytest that a test starts inherits it.)"""
+    return getattr(config, "workerinput", {}).get("workerid")
 
 
-def session_base(basetemp: Path) -> Path:
+def session_base(config: pytest.Config, basetemp: Path) -> Path:
     """The base temp of the session, given this process's (pytest-xdist gives a worker one inside it)."""
-    return basetemp.parent if worker() else basetemp
+    return basetemp.parent if worker(config) else basetemp
 
 
-def session_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+def session_folder(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     """A folder that every pytest process of the session shares."""
-    folder = session_base(tmp_path_factory.getbasetemp()) / name
+    folder = session_base(config, tmp_path_factory.getbasetemp()) / name
     folder.mkdir(exist_ok=True)
     return folder
 

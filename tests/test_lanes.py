@@ -58,11 +58,12 @@ def test_the_reference_store_and_pytests_own_fixtures_leave_a_test_free() -> Non
     assert found == [None]
 
 
-def test_a_worker_shares_the_base_temp_of_its_session(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    assert lanes.session_base(Path("/tmp/pytest-of-me/pytest-7")) == Path("/tmp/pytest-of-me/pytest-7")
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")  # xdist's worker base temp: the session's plus popen-gw1
-    assert lanes.session_base(Path("/tmp/pytest-of-me/pytest-7/popen-gw1")) == Path("/tmp/pytest-of-me/pytest-7")
+def test_a_worker_shares_the_base_temp_of_its_session() -> None:
+    alone, in_a_worker = SimpleNamespace(), SimpleNamespace(workerinput={"workerid": "gw1"})  # as xdist sets it
+    assert lanes.worker(alone) is None and lanes.worker(in_a_worker) == "gw1"
+    assert lanes.session_base(alone, Path("/tmp/pytest-of-me/pytest-7")) == Path("/tmp/pytest-of-me/pytest-7")
+    # xdist's worker base temp: the session's, plus the worker's name
+    assert lanes.session_base(in_a_worker, Path("/tmp/pytest-of-me/pytest-7/gw1")) == Path("/tmp/pytest-of-me/pytest-7")
 
 
 def test_once_makes_a_folder_once_and_again_after_a_maker_that_failed(tmp_path: Path) -> None:
