@@ -97,7 +97,7 @@ test-image: data test-deps  ## only the image test (part of `make test`): build 
 
 # The tiers (tests/tiers.py), named by what their tests need; `make test` runs all four.
 test-fast:  ## the units tier: no process group, no training process (at most 2 minutes)
-	$(PYTHON) -m pytest -q -m units $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q $(LANES) -m units $(PYTEST_ARGS)
 
 test-ranks: data  ## the ranks tier: the real Trainer and adapters in gloo ranks forked by the tests
 	$(PYTHON) -m pytest -q $(LANES) -m ranks $(PYTEST_ARGS)

@@ -116,9 +116,16 @@ def wait_for_event(
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: an unmarked test must not vanish from every tier
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers.check_every_test_has_one_tier(items)
     lanes.group_by_shared_fixtures(items)
+    lanes.publish_groups(config, items)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadgroup by tests/lanes.py's groups (xdist's own loses them under pytest 9)."""
+    return lanes.GroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before any fixture starts a daemon

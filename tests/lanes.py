@@ -2,19 +2,28 @@
 
 A fixture wider than one test (a Slurm cluster, the MLflow server, a module's shared runs) is made once
 per pytest process. So that it is made once per session, every test that uses it runs in one worker:
-`group_by_shared_fixtures` marks them with one `xdist_group`, which loadgroup sends to a single worker.
-Tests that share nothing go to whichever worker is free. The reference store shares itself across the
-workers through a folder (tests/references.py), so its tests stay free.
+`group_by_shared_fixtures` marks them with one `xdist_group`, and `GroupScheduling` sends each group to
+a single worker. Tests that share nothing go to whichever worker is free. The reference store shares
+itself across the workers through a folder (tests/references.py), so its tests stay free.
+
+Why a scheduler of our own: pytest-xdist 3.8's loadgroup tells the controller a test's group by
+appending it to the item's `_nodeid` (xdist/remote.py, pytest_collection_modifyitems), which pytest 9
+no longer reads (a node's id is `_id`, a NodeId: _pytest/nodes.py), so every test went to any worker.
+Here each worker writes its groups to the session's folder as it collects, and the controller's
+scheduler (xdist's LoadScopeScheduling: groups with the most tests first) reads them.
 """
 from __future__ import annotations
 
 import fcntl
+import json
+import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 TESTS = Path(__file__).resolve().parent
 SHARED_BY_ITSELF = {"references"}  # session fixtures that share their work across processes on their own
@@ -89,3 +98,33 @@ def group_by_shared_fixtures(items: list[pytest.Item]) -> None:
     for item in items:
         if keys := shared[item.nodeid]:
             item.add_marker(pytest.mark.xdist_group(root(min(keys))))
+
+
+GROUPS_FILE = "lanes-groups"  # in the session's base temp, one per worker: {nodeid: group}
+
+
+def publish_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a worker: write the groups of its tests where the controller's scheduler reads them."""
+    if not (name := worker(config)):
+        return
+    folder = session_base(config, Path(config.option.basetemp))  # xdist sets a worker's (remote.py)
+    groups = {item.nodeid: mark.args[0] for item in items if (mark := item.get_closest_marker("xdist_group"))}
+    path = folder / f"{GROUPS_FILE}-{name}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(groups))
+    os.replace(path.with_suffix(".tmp"), path)  # whole or absent, never half written
+
+
+class GroupScheduling(LoadScopeScheduling):
+    """xdist's loadgroup, with each test's group read from the files of publish_groups."""
+
+    def __init__(self, config: pytest.Config, log: object = None):
+        super().__init__(config, log)
+        self.folder = config._tmp_path_factory.getbasetemp()  # the session's, as xdist gives its workers
+        self.groups: dict[str, str] | None = None
+
+    def _split_scope(self, nodeid: str) -> str:
+        if self.groups is None:  # called once every worker has collected, so every file is there
+            self.groups = {}
+            for path in sorted(self.folder.glob(f"{GROUPS_FILE}-*.json")):
+                self.groups.update(json.loads(path.read_text()))
+        return self.groups.get(nodeid, nodeid)
