@@ -125,7 +125,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """--dist loadgroup by tests/lanes.py's groups (xdist's own loses them under pytest 9)."""
-    return lanes.GroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
+    return lanes.group_scheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before any fixture starts a daemon

@@ -2,7 +2,7 @@
 
 A fixture wider than one test (a Slurm cluster, the MLflow server, a module's shared runs) is made once
 per pytest process. So that it is made once per session, every test that uses it runs in one worker:
-`group_by_shared_fixtures` marks them with one `xdist_group`, and `GroupScheduling` sends each group to
+`group_by_shared_fixtures` marks them with one `xdist_group`, and `group_scheduling` sends each group to
 a single worker. Tests that share nothing go to whichever worker is free. The reference store shares
 itself across the workers through a folder (tests/references.py), so its tests stay free.
 
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from xdist.scheduler import LoadScopeScheduling
 
 TESTS = Path(__file__).resolve().parent
 SHARED_BY_ITSELF = {"references"}  # session fixtures that share their work across processes on their own
@@ -114,17 +113,22 @@ def publish_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
     os.replace(path.with_suffix(".tmp"), path)  # whole or absent, never half written
 
 
-class GroupScheduling(LoadScopeScheduling):
-    """xdist's loadgroup, with each test's group read from the files of publish_groups."""
+def group_scheduling(config: pytest.Config, log: object):
+    """xdist's loadgroup, with each test's group read from the files of publish_groups (xdist is imported
+    here only: a plain `pytest` without it still runs the suite in one lane)."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    def __init__(self, config: pytest.Config, log: object = None):
-        super().__init__(config, log)
-        self.folder = config._tmp_path_factory.getbasetemp()  # the session's, as xdist gives its workers
-        self.groups: dict[str, str] | None = None
+    class GroupScheduling(LoadScopeScheduling):
+        def __init__(self) -> None:
+            super().__init__(config, log)
+            self.folder = config._tmp_path_factory.getbasetemp()  # the session's, as xdist gives its workers
+            self.groups: dict[str, str] | None = None
 
-    def _split_scope(self, nodeid: str) -> str:
-        if self.groups is None:  # called once every worker has collected, so every file is there
-            self.groups = {}
-            for path in sorted(self.folder.glob(f"{GROUPS_FILE}-*.json")):
-                self.groups.update(json.loads(path.read_text()))
-        return self.groups.get(nodeid, nodeid)
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # called once every worker has collected, so every file is there
+                self.groups = {}
+                for path in sorted(self.folder.glob(f"{GROUPS_FILE}-*.json")):
+                    self.groups.update(json.loads(path.read_text()))
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling()
