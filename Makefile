@@ -3,6 +3,10 @@ PYTHON ?= .venv/bin/python
 VENV_PYTHON ?= python3
 SCALE ?= smoke
 PYTEST_ARGS ?=
+# Lanes of tests (pytest-xdist workers, tests/lanes.py): one pytest process leaves one of two cores idle on
+# average (ranks and launchers wait on each other); tests sharing a daemon or a module's runs share a lane.
+TEST_LANES ?= 2
+LANES = -n $(TEST_LANES) --dist loadgroup
 # `--editable` for a checkout you work in; the image installs a regular copy (EDITABLE=).
 EDITABLE ?= --editable
 # The image installs the runtime pins only; a checkout also gets the test and lint tools.
@@ -81,7 +85,7 @@ IMAGE_TEST_LOG ?= .test-image.log
 test: data test-deps  ## run every tier (the image test alongside the others; the slowest tests are listed)
 	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=10 tests/test_image.py $(PYTEST_ARGS) > $(IMAGE_TEST_LOG) 2>&1 & image=$$!; \
 	trap 'kill $$image 2>/dev/null' INT TERM; \
-	$(PYTHON) -m pytest -q --durations=25 --ignore=tests/test_image.py $(PYTEST_ARGS); others=$$?; \
+	$(PYTHON) -m pytest -q $(LANES) --durations=25 --ignore=tests/test_image.py $(PYTEST_ARGS); others=$$?; \
 	wait $$image; image=$$?; echo "--- tests/test_image.py (run alongside) ---"; cat $(IMAGE_TEST_LOG); \
 	exit $$((others || image))
 
@@ -93,16 +97,16 @@ test-image: data test-deps  ## only the image test (part of `make test`): build 
 
 # The tiers (tests/tiers.py), named by what their tests need; `make test` runs all four.
 test-fast: data  ## the units tier: no process group, no training process (at most 2 minutes)
-	$(PYTHON) -m pytest -q -m units $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q $(LANES) -m units $(PYTEST_ARGS)
 
 test-ranks: data  ## the ranks tier: the real Trainer and adapters in gloo ranks forked by the tests
-	$(PYTHON) -m pytest -q -m ranks $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q $(LANES) -m ranks $(PYTEST_ARGS)
 
 test-end-to-end: data  ## the end-to-end tier: real `repro` runs per launcher path, faults and signals
-	$(PYTHON) -m pytest -q -m end_to_end $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q $(LANES) -m end_to_end $(PYTEST_ARGS)
 
 test-services: data test-deps  ## the services tier: Slurm, PostgreSQL + MLflow server, Chromium, Docker (the image test too)
-	$(PYTHON) -m pytest -q -m services $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q $(LANES) -m services $(PYTEST_ARGS)
 
 reproduce-table2: data  ## run the Table 2 matrix at SCALE (smoke by default) and write reports/
 	$(PYTHON) -m repro.cli table2 --scale $(SCALE)

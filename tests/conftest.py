@@ -7,11 +7,13 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import lanes
 import tiers
 from host import need
 from references import References
@@ -58,6 +60,27 @@ class Repro:
         )
         return Result(out.returncode, out.stdout, out.stderr, self.cwd)
 
+    def here(self, *args: str) -> Result:
+        """`repro ARGS` in this process (click's runner), with this scratch folder's environment and working
+        folder: for the units tier's refusals, dry runs and listings, which then pay no cold start of a
+        fresh interpreter importing torch. What reaches a real process's stderr reaches `stderr` here,
+        an uncaught exception as its traceback."""
+        from click.testing import CliRunner
+
+        from repro import cli
+
+        unset = {key: None for key in os.environ if key not in self.env}
+        before = Path.cwd()
+        os.chdir(self.cwd)
+        try:
+            out = CliRunner(env={**self.env, **unset}).invoke(cli.main, list(args))
+        finally:
+            os.chdir(before)
+        stderr = out.stderr
+        if out.exception is not None and not isinstance(out.exception, SystemExit):
+            stderr += "".join(traceback.format_exception(*out.exc_info))
+        return Result(out.exit_code, out.stdout, stderr, self.cwd)
+
     def start(self, *args: str, log: str = "output.txt") -> subprocess.Popen:
         """`repro ARGS` in the background, its output going to the file `log` in the scratch folder."""
         with open(self.cwd / log, "w") as out:
@@ -93,8 +116,16 @@ def wait_for_event(
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: an unmarked test must not vanish from every tier
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers.check_every_test_has_one_tier(items)
+    lanes.group_by_shared_fixtures(items)
+    lanes.publish_groups(config, items)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadgroup by tests/lanes.py's groups (xdist's own loses them under pytest 9)."""
+    return lanes.group_scheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before any fixture starts a daemon
@@ -159,9 +190,10 @@ def shared_repro(tmp_path_factory: pytest.TempPathFactory) -> Repro:
 
 
 @pytest.fixture(scope="session")
-def references(tmp_path_factory: pytest.TempPathFactory) -> References:
-    """The session's store of reference runs (tests/references.py): each trained once, on first use."""
-    return References(tmp_path_factory.mktemp("references"))
+def references(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> References:
+    """The session's store of reference runs (tests/references.py): each trained once, on first use, by
+    whichever of the session's processes needs it first."""
+    return References(lanes.session_folder(request.config, tmp_path_factory, "references"))
 
 
 def mlflow_runs(uri: str, experiment: str = "repro") -> list:
@@ -183,8 +215,18 @@ def running_runs(uri: str) -> list[str]:
     return [r.info.run_id for r in client.search_runs(ids) if r.info.status in ("RUNNING", "SCHEDULED")] if ids else []
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller: a worker has finished
+def pytest_testnodedown(node, error) -> None:
+    STORES.update(getattr(node, "workeroutput", {}).get("mlflow_stores", ()))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the session when a test left a RUNNING or SCHEDULED run behind (a run nobody will ever end)."""
+    """Fail the session when a test left a RUNNING or SCHEDULED run behind (a run nobody will ever end).
+
+    A pytest-xdist worker hands its stores to the controller, which checks them all at its own end."""
+    if lanes.worker(session.config):
+        session.config.workeroutput["mlflow_stores"] = sorted(STORES)
+        return
     left = {uri: ids for uri in sorted(STORES) if (ids := running_runs(uri))}
     if left:
         print(f"\nunsettled runs left behind: {left}")

@@ -4,11 +4,16 @@ The store is keyed by recipe fingerprint: two tests asking for the same resolved
 spelled it, share one run. The GPT-2 recipes are `repro parity`'s (repro/parity.py: its reduced model,
 global batch GLOBAL_BATCH, the same Adam for every framework), so the equivalence tests of DDP, ZeRO,
 FSDP and the pipeline schedules check what parity checks, against one plain process trained once.
+
+The store lives in a folder that every pytest process of the session shares (pytest-xdist's workers
+included): the first process to ask for a run trains it under a lock on that run, and the others wait
+for it and read its events from disk, so a run is trained once per session however many lanes run.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+import lanes
 from ranks import train
 from repro.parity import Config, recipe_for
 from repro.recipe import Recipe
@@ -30,16 +35,22 @@ def plain_gpt2() -> Recipe:
 
 
 class References:
-    """Runs in the ranks tier (tests/ranks.py), each trained on first use; fingerprint -> events."""
+    """Runs in the ranks tier (tests/ranks.py), each trained on first use; fingerprint -> events.
+
+    `folder` is shared by the session's processes: each run is a folder named by its fingerprint."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.runs: dict[str, list[dict]] = {}
 
     def events(self, recipe: Recipe) -> list[dict]:
+        """The run's events, trained here unless another process of the session trained it (tests/lanes.py)."""
+        from conftest import read_events
+
         key = recipe.fingerprint()
         if key not in self.runs:
-            self.runs[key] = train(recipe, self.folder / f"{recipe.run_name()}-{key[:12]}")
+            run_dir = lanes.once(self.folder / f"{recipe.run_name()}-{key[:12]}", lambda folder: train(recipe, folder))
+            self.runs[key] = read_events(run_dir)
         return self.runs[key]
 
     def losses(self, recipe: Recipe) -> list[float]:

@@ -18,7 +18,7 @@ def test_help_imports_no_torch() -> None:
 
 
 def test_list_shows_models_frameworks_and_recipes(repro) -> None:
-    out = repro("list")
+    out = repro.here("list")
     assert out.returncode == 0
     assert "models:     vgg16, gpt2" in out.stdout
     assert "ddp" in out.stdout and "gpt2-smoke.yaml" in out.stdout
@@ -35,19 +35,19 @@ def test_a_missing_name_is_said_once() -> None:
 
 
 def test_unknown_framework_lists_valid_ones(repro) -> None:
-    out = repro("run", "gpt2", "--framework", "horovod")
+    out = repro.here("run", "gpt2", "--framework", "horovod")
     assert out.returncode == 2
     assert out.stderr.strip().startswith("repro: unknown framework 'horovod'; valid frameworks: ddp, zero")
 
 
 def test_unknown_model_is_refused(repro) -> None:
-    out = repro("run", "resnet50")
+    out = repro.here("run", "resnet50")
     assert out.returncode == 2
     assert "'resnet50' is not one of 'vgg16', 'gpt2'" in out.stderr
 
 
 def test_dry_run_prints_the_launch_command(repro) -> None:
-    out = repro("run", "gpt2", "--gpus", "2", "--dry-run")
+    out = repro.here("run", "gpt2", "--gpus", "2", "--dry-run")
     assert out.returncode == 0, out.stderr
     # CPU stand-ins on this machine: the warm launcher and the job it is sent (docs/launch.md); on GPUs it is
     # torchrun's line (tests/test_adapter_command.py)
@@ -57,7 +57,7 @@ def test_dry_run_prints_the_launch_command(repro) -> None:
 
 
 def test_doctor_reports_versions_and_data(repro) -> None:
-    out = repro("doctor", "--json")
+    out = repro.here("doctor", "--json")
     assert out.returncode == 0
     import json
 

@@ -226,7 +226,7 @@ def test_smoke_run_logs_to_a_tracking_server(repro, mlflow_server: str) -> None:
 @pytest.mark.units
 def test_doctor_reports_the_image_it_runs_in(repro) -> None:
     repro.env.update(REPRO_IMAGE="repro:0123abcd", REPRO_GIT_SHA="0123abcd")
-    result = repro("doctor", "--json")
+    result = repro.here("doctor", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["image"] == "repro:0123abcd"
 

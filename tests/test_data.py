@@ -73,7 +73,7 @@ def test_corrupted_file_refuses_the_run_and_names_it(repro, tmp_path: Path) -> N
     victim = data / "digits" / "train" / "3" / sorted(os.listdir(data / "digits" / "train" / "3"))[0]
     victim.write_bytes(victim.read_bytes()[:-1] + b"\x01")
     repro.env["REPRO_DATA"] = str(data)
-    out = repro("run", "vgg16", "--max-steps", "1")
+    out = repro.here("run", "vgg16", "--max-steps", "1")
     assert out.returncode == 2
     assert f"{victim}: checksum mismatch" in out.stderr
     assert not (repro.cwd / "runs").exists()
@@ -82,7 +82,7 @@ def test_corrupted_file_refuses_the_run_and_names_it(repro, tmp_path: Path) -> N
 def test_missing_dataset_says_how_to_prepare_it(repro, tmp_path: Path) -> None:
     repro.env["REPRO_DATA"] = str(tmp_path / "empty")
     repro.env["REPRO_STAGED_DATA"] = str(tmp_path / "nothing-staged")
-    out = repro("run", "gpt2", "--max-steps", "1")
+    out = repro.here("run", "gpt2", "--max-steps", "1")
     assert out.returncode == 2
     assert "dataset 'wikitext-2' not found" in out.stderr
     assert "prepare it with: repro data prepare wikitext-2" in out.stderr
@@ -93,12 +93,12 @@ def test_run_catches_a_corruption_that_keeps_size_and_mtime(repro, tmp_path: Pat
     data = tmp_path / "data"
     shutil.copytree(REPO / "data" / "digits", data / "digits")
     repro.env |= {"REPRO_DATA": str(data), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    verify = repro("data", "verify", "digits")
+    verify = repro.here("data", "verify", "digits")
     assert verify.returncode == 0 and "full: all 1797 files hashed" in verify.stdout, verify.stderr
     victim = data / "digits" / "train" / "3" / sorted(os.listdir(data / "digits" / "train" / "3"))[0]
     original = victim.read_bytes()
     rewrite_keeping_times(victim, original[:-1] + bytes([original[-1] ^ 1]))
-    out = repro("run", "vgg16", "--max-steps", "1")
+    out = repro.here("run", "vgg16", "--max-steps", "1")
     assert out.returncode == 2
     assert out.stderr.splitlines() == [f"repro: {victim}: checksum mismatch (expected "
                                        f"{hashlib.sha256(original).hexdigest()[:16]}..., got "

@@ -68,7 +68,7 @@ def test_the_stop_warning_is_two_minutes_or_half_a_short_limit():
 
 
 def test_a_wrong_time_limit_is_refused_before_anything_starts(repro):
-    out = repro("run", "gpt2", "--gpus", "2", "--nodes", "2", "--launcher", "slurm", "--time", "4h", "--dry-run")
+    out = repro.here("run", "gpt2", "--gpus", "2", "--nodes", "2", "--launcher", "slurm", "--time", "4h", "--dry-run")
     assert out.returncode == 2 and "repro: --time: '4h' is not a Slurm time limit" in out.stderr
 
 
@@ -83,7 +83,7 @@ def test_torchrun_node_joins_the_c10d_rendezvous():
 
 
 def test_cli_dry_run_prints_the_batch_script(repro):
-    out = repro("run", "gpt2", "--gpus", "4", "--nodes", "2", "--launcher", "slurm", "--image", "repro.sif",
+    out = repro.here("run", "gpt2", "--gpus", "4", "--nodes", "2", "--launcher", "slurm", "--image", "repro.sif",
                 "--time", "01:00:00", "--dry-run")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=gpt2-ddp-4g-smoke-s1234\n#SBATCH --nodes=2\n")
@@ -94,7 +94,7 @@ def test_cli_dry_run_prints_the_batch_script(repro):
 
 def test_no_sbatch_on_path_is_refused_before_anything_starts(repro):
     repro.env["PATH"] = str(repro.cwd)  # no Slurm client here
-    out = repro("run", "gpt2", "--gpus", "2", "--nodes", "2", "--launcher", "slurm")
+    out = repro.here("run", "gpt2", "--gpus", "2", "--nodes", "2", "--launcher", "slurm")
     assert out.returncode == 2 and "repro: --launcher slurm: no sbatch on PATH" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
     assert not (repro.cwd / "runs").exists() and not (repro.cwd / "mlflow.db").exists()

@@ -36,13 +36,13 @@ def lbann_recipe(scale: str, *overrides: str):
 
 
 def test_absent_lbann_fails_at_once_saying_how_to_get_it(repro) -> None:
-    result = repro("run", "vgg16", "--framework", "lbann", "--gpus", "2")
+    result = repro.here("run", "vgg16", "--framework", "lbann", "--gpus", "2")
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert "framework 'lbann' is not available here: missing lbann;" in line
     assert "container image" in line and "spack install lbann@0.104 +cuda +vision +pfe" in line
     assert not (repro.cwd / "runs").exists()
-    listing = repro("list")
+    listing = repro.here("list")
     assert any(l.split()[0] == "lbann" and "unavailable" in l for l in listing.stdout.splitlines())
 
 

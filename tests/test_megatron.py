@@ -155,7 +155,7 @@ def test_variant_names_the_table_row():
 
 @pytest.mark.units
 def test_vgg16_fails_at_once_in_one_line(repro):
-    result = repro("run", "vgg16", "--framework", "megatron", "--gpus", "2")
+    result = repro.here("run", "vgg16", "--framework", "megatron", "--gpus", "2")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1
     assert "Megatron's intra-layer scheme targets transformers" in result.stderr

@@ -36,6 +36,6 @@ def test_two_nodes_train_like_one_and_land_once_in_mlflow(repro, framework):
 
 @pytest.mark.units
 def test_several_nodes_without_slurm_need_an_endpoint_and_a_shared_folder(repro):
-    out = repro("run", "gpt2", "--gpus", "2", "--nodes", "2", "--dry-run")
+    out = repro.here("run", "gpt2", "--gpus", "2", "--nodes", "2", "--dry-run")
     assert out.returncode == 2
     assert "--rdzv-endpoint HOST:PORT" in out.stderr and "--launcher slurm" in out.stderr

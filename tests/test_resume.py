@@ -260,7 +260,7 @@ def test_resume_with_a_different_recipe_refuses_naming_the_fields(repro):
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.gpus=2", "train.epochs=2", *sets])
     (run_dir / "run.json").write_text(json.dumps({"recipe": recipe.to_dict()}))
     (run_dir / "checkpoints" / "latest.json").write_text(json.dumps({"folder": "step-1", "position": {}}))
-    out = repro("run", "gpt2", "--gpus", "2", "--epochs", "1", "--seed", "7", "--set", sets[0], "--set", sets[1],
+    out = repro.here("run", "gpt2", "--gpus", "2", "--epochs", "1", "--seed", "7", "--set", sets[0], "--set", sets[1],
                 "--resume", str(run_dir))
     assert out.returncode == 2
     assert "the recipe differs from the run's in seed (1234 -> 7), train.epochs (2 -> 1);" in out.stderr

@@ -97,12 +97,12 @@ def test_fsdp_recipe_checks_hybrid_replicas_and_precision() -> None:
 
 @pytest.mark.units
 def test_list_and_run_give_axonns_reason(repro) -> None:
-    listed = repro("list")
+    listed = repro.here("list")
     assert listed.returncode == 0
     lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line.startswith("  ")}
     assert lines["fsdp"].endswith(" available") and lines["torch-pipeline"].endswith(" available")
     assert "unavailable" in lines["axonn"] and "needs CUDA GPUs and NCCL" in lines["axonn"]
-    out = repro("run", "gpt2", "--framework", "axonn", "--dry-run")
+    out = repro.here("run", "gpt2", "--framework", "axonn", "--dry-run")
     assert out.returncode == 2
     assert "run.framework: axonn 0.2.0 needs CUDA GPUs and NCCL" in out.stderr
     assert "Traceback" not in out.stderr

@@ -129,7 +129,7 @@ def test_impossible_settings_fail_naming_the_field(recipe: str, override: str, f
 
 @pytest.mark.units
 def test_cli_reports_a_bad_stage_before_launching(repro: Repro) -> None:
-    out = repro("run", "gpt2", "--framework", "zero", "--set", "zero.stage=5", "--dry-run")
+    out = repro.here("run", "gpt2", "--framework", "zero", "--set", "zero.stage=5", "--dry-run")
     assert out.returncode == 2
     assert "zero.stage: got 5; ZeRO stages are 1, 2 and 3" in out.stderr
 
