@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 from conftest import REPO
 from repro import cli, hardware, registry, tracking
+from repro.run import preflight
+from repro.run.options import Launch, LaunchError
 from repro.run.preflight import CPU_PROCESSES_PER_CORE
 from repro.data.sets import DATASETS
-from repro.recipe import SCALES, recipe_path
+from repro.recipe import SCALES, load_file, recipe_path
 
 pytestmark = pytest.mark.units
 
@@ -256,3 +258,13 @@ def test_table2_names_why_each_cell_cannot_run_and_reports_carry_it(tmp_path: Pa
     assert todo == [] and counts["blocked"] == 14
     results = collect(cells, uri, "table2-paper")
     assert [r.error for r in results] == [c.skip for c in cells] and all(r.status == "missing" for r in results)
+
+
+def test_zero_on_cpu_stand_ins_without_a_compiler_is_refused_naming_the_package(monkeypatch):
+    """DeepSpeed builds its shared-memory op with c++ as a CPU run starts; a machine without one is told before."""
+    recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=zero", "run.gpus=2", "run.device=cpu"])
+    monkeypatch.setattr(preflight.shutil, "which", lambda program: None if program == "c++" else f"/usr/bin/{program}")
+    with pytest.raises(LaunchError, match=r"^run.framework: zero on CPU stand-ins runs c\+\+, which this machine "
+                                          r"lacks: apt-get install g\+\+$"):
+        preflight.check_devices(recipe, Launch())
+    preflight.check_devices(load_file(recipe_path("gpt2", "smoke"), ["run.gpus=2", "run.device=cpu"]), Launch())

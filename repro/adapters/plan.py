@@ -31,6 +31,8 @@ class FrameworkPlan:
     # Whether the adapter brings its own save_checkpoint and load_checkpoint (its ranks hold different
     # state, or the framework has its own format); repro.adapters.base.Adapter holds adapters to it.
     own_checkpoint: bool = False
+    # Programs the ranks run on CPU stand-ins, each with the Debian package that has it (checked before start)
+    cpu_programs: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def check_workload(cls, recipe: Recipe, source: str) -> None:

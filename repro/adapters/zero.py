@@ -17,6 +17,8 @@ sizes from the `zero:` section. The resolved DeepSpeed configuration is written 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -62,6 +64,7 @@ class ZeroAdapter(ZeroPlan, Adapter):
     def setup(self, model: nn.Sequential) -> None:
         import deepspeed
 
+        programs_beside_python_on_path()
         model = model.to(self.ctx.device)
         optimizer = make_optimizer(self.ctx.recipe.optimizer(), model.parameters())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -179,3 +182,13 @@ def reachable_tensors(root: Any, depth: int = 4) -> Iterator[torch.Tensor]:
     elif type(root).__module__.startswith("deepspeed.") and hasattr(root, "__dict__"):
         for value in vars(root).values():
             yield from reachable_tensors(value, depth - 1)
+
+
+def programs_beside_python_on_path() -> None:
+    """On CPU, DeepSpeed JIT-builds its shared-memory op (deepspeed/comm/torch.py, build_shm_op), and torch's
+    builder runs `ninja` from PATH (torch/utils/cpp_extension.py, verify_ninja_availability). The pinned
+    ninja is installed beside this Python, whose folder is not on PATH when the kit runs as .venv/bin/repro
+    without the virtualenv activated (a fresh machine has no ninja of its own)."""
+    folder = str(Path(sys.executable).parent)
+    if folder not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([folder, os.environ.get("PATH", "")])

@@ -30,6 +30,8 @@ class ZeroOptions(FrameworkOptions):
 class ZeroPlan(FrameworkPlan):
     Options = ZeroOptions
     own_checkpoint = True  # DeepSpeed's own: every rank writes its partition
+    # On CPU DeepSpeed builds its shared-memory op at a run's start (deepspeed/comm/torch.py, build_shm_op)
+    cpu_programs = (("c++", "g++"),)
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:

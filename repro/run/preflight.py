@@ -95,7 +95,12 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
             "use --launcher slurm" + ("" if run.device == "cuda" else ", or --set run.device=cpu for CPU processes"))
     if run.device == "cuda" or (run.device == "auto" and gpus_here):
         return
-    processes = registry.plan_class(run.framework).processes(recipe) // run.nodes
+    plan = registry.plan_class(run.framework)
+    for program, package in plan.cpu_programs:
+        if shutil.which(program) is None:
+            raise LaunchError(f"run.framework: {run.framework} on CPU stand-ins runs {program}, which this machine "
+                              f"lacks: apt-get install {package}")
+    processes = plan.processes(recipe) // run.nodes
     cores = hardware.cpu_cores()
     if processes > CPU_PROCESSES_PER_CORE * cores and not options.oversubscribe:
         raise LaunchError(
