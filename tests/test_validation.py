@@ -6,6 +6,7 @@ no MLflow run, no process started. A handful go through the real command line as
 """
 from __future__ import annotations
 
+import importlib
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -171,6 +172,7 @@ def nothing_may_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     def refuse(*args: object, **kwargs: object) -> None:
         raise Started(f"started: {args[:2]}")
 
+    importlib.import_module("repro.runner")  # its launcher classes derive from Popen: defined before it is replaced
     monkeypatch.setattr(subprocess, "Popen", refuse)
     monkeypatch.setattr(tracking.Run, "create", refuse)
     monkeypatch.setattr(tracking.Run, "reopen", refuse)
