@@ -308,11 +308,10 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None) -> Cell:
 
 def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The counted figures of an epoch event's ranks, as the model states them: the busiest rank's model
-    state and activation peak, and per kind the busiest rank's payload per step."""
-    comm: dict[str, int] = {}
-    for rank in ranks:
-        for kind, value in (rank.get("comm") or {}).get("bytes", {}).items():
-            comm[kind] = max(comm.get(kind, 0), value)
+    state and activation peak, and by kind the payload per step of the rank that hands over the most
+    (the first such rank), as MLflow's comm/bytes_per_step counts it (repro.tracking)."""
+    counted = [(rank.get("comm") or {}).get("bytes", {}) for rank in ranks]
+    comm = max(counted, key=lambda kinds: sum(kinds.values()), default={})
     activations = [r["activation_peak_bytes"] for r in ranks if r.get("activation_peak_bytes") is not None]
     return {"model_state": max(r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks),
             "activations": max(activations) if activations else None,

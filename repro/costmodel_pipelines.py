@@ -146,7 +146,8 @@ def torch_pipeline(cell: Cell) -> Prediction:
     crosses every cut forward and its gradient crosses back, whatever the micro-batch count: a rank
     sends and receives, per stage, what its cuts carry (`stage_cuts`). Then the tied weight's gradient
     is all-reduced between the first and the last rank, and one fp32 (the sum of squared gradient
-    norms, for the optimizer's global clip) over all ranks; with one rank nothing is sent. Activations:
+    norms, for the optimizer's global clip) over all ranks; with one rank nothing is sent. The figure is
+    the busiest rank's (a middle rank, which holds no tied weight, where its cuts outweigh it). Activations:
     the busiest rank's peak over its stages' micro-batches in flight (`schedule_actions`, `peak_held`),
     micro-batches of the global batch cut into `microbatches`."""
     schedule = cell.option("schedule", "1f1b")
@@ -158,14 +159,26 @@ def torch_pipeline(cell: Cell) -> Prediction:
     comm: dict[str, int] = {}
     if ranks > 1:
         crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu * cell.gpus)]
-        moved = max(sum(sum(stage_cuts(crossing, stage)) for stage in range(rank, count, ranks)) for rank in range(ranks))
-        comm = {"send": moved, "recv": moved, "all_reduce": FP32 * (cell.shape.tied_elements() + 1)}
+        comm = busiest([pipeline_rank_comm(cell, crossing, rank, ranks, count) for rank in range(ranks)])
     whole = cell.batch_per_gpu * cell.gpus
     micro = cell.option("microbatches", None) or 2 * cell.gpus
     per_micro, once, tails = stage_activations(cell, sizes, whole // micro, whole)
     held = max(peak_held(schedule_actions(schedule, rank, ranks, per_rank, micro), per_micro, once, tails)
                for rank in range(ranks))
     return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), held, comm)
+
+
+def pipeline_rank_comm(cell: Cell, crossing: list[int], rank: int, ranks: int, count: int) -> dict[str, int]:
+    """What rank `rank` of torch's schedules hands over per step: what its stages' cuts carry, each way;
+    the tied weight's gradient where it holds the first or the last stage (they all-reduce it); one fp32."""
+    moved = sum(sum(stage_cuts(crossing, stage)) for stage in range(rank, count, ranks))
+    tied = cell.shape.tied_elements() if rank in (0, (count - 1) % ranks) else 0
+    return {"send": moved, "recv": moved, "all_reduce": FP32 * (tied + 1)}
+
+
+def busiest(per_rank: list[dict[str, int]]) -> dict[str, int]:
+    """The payload of the rank that hands over the most per step, by kind (the first such rank: as counted)."""
+    return max(per_rank, key=lambda kinds: sum(kinds.values()))
 
 
 def schedule_actions(schedule: str, rank: int, ranks: int, per_rank: int, micro: int) -> list[tuple[str, int]]:
@@ -274,9 +287,8 @@ def pipedream(cell: Cell) -> Prediction:
     comm: dict[str, int] = {}
     if stages > 1:
         crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu)]
-        send = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s < stages - 1 else 0) for s in range(stages))
-        recv = max(sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s > 0 else 0) for s in range(stages))
-        comm = {"send": send, "recv": recv}
+        comm = busiest([{"send": sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s < stages - 1 else 0),
+                         "recv": sum(stage_cuts(crossing, s)) + (PIPEDREAM_HEADER if s > 0 else 0)} for s in range(stages)])
     # in flight on stage s at its peak: S - s mini-batches of their own (no views of a shared batch)
     per_micro, _, _ = stage_activations(cell, sizes, cell.batch_per_gpu)
     held = max((stages - stage) * per_micro[stage] for stage in range(stages))

@@ -147,7 +147,8 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
 
 
 def comm_metrics(ranks: list[dict[str, Any]], step: int) -> list[tuple[str, float, int]]:
-    """The busiest rank's payload per step, in all and per operation kind (absent before the counter ran)."""
+    """The busiest rank's payload per step in all, and per operation kind the most any rank hands over
+    (absent before the counter ran)."""
     counted = [r["comm"]["bytes"] for r in ranks if r.get("comm")]
     if not counted:
         return []
