@@ -262,11 +262,14 @@ def test_table2_names_why_each_cell_cannot_run_and_reports_carry_it(tmp_path: Pa
     assert [r.error for r in results] == [c.skip for c in cells] and all(r.status == "missing" for r in results)
 
 
-def test_zero_on_cpu_stand_ins_without_a_compiler_is_refused_naming_the_package(monkeypatch):
-    """DeepSpeed builds its shared-memory op with c++ as a CPU run starts; a machine without one is told before."""
+def test_zero_on_cpu_stand_ins_without_a_compiler_or_headers_is_refused_naming_the_packages(monkeypatch, tmp_path):
+    """DeepSpeed builds its shared-memory op as a CPU run starts; a machine that cannot build is told before."""
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=zero", "run.gpus=2", "run.device=cpu"])
+    preflight.check_devices(recipe, Launch())  # this machine builds it
     monkeypatch.setattr(preflight.shutil, "which", lambda program: None if program == "c++" else f"/usr/bin/{program}")
-    with pytest.raises(LaunchError, match=r"^run.framework: zero on CPU stand-ins runs c\+\+, which this machine "
-                                          r"lacks: apt-get install g\+\+$"):
+    monkeypatch.setattr(preflight.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h there
+    with pytest.raises(LaunchError, match=r"^run.framework: zero on CPU stand-ins builds a C\+\+ extension as it "
+                                          r"starts, and this machine lacks a compiler or Python's headers: "
+                                          r"apt-get install g\+\+ python3-dev$"):
         preflight.check_devices(recipe, Launch())
     preflight.check_devices(load_file(recipe_path("gpt2", "smoke"), ["run.gpus=2", "run.device=cpu"]), Launch())

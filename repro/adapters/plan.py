@@ -31,8 +31,9 @@ class FrameworkPlan:
     # Whether the adapter brings its own save_checkpoint and load_checkpoint (its ranks hold different
     # state, or the framework has its own format); repro.adapters.base.Adapter holds adapters to it.
     own_checkpoint: bool = False
-    # Programs the ranks run on CPU stand-ins, each with the Debian package that has it (checked before start)
-    cpu_programs: tuple[tuple[str, str], ...] = ()
+    # Whether its ranks JIT-build a C++ extension on CPU stand-ins: they need a compiler and Python's headers
+    # (checked before start: repro.run.preflight.check_extension_build)
+    cpu_builds_extension: bool = False
 
     @classmethod
     def check_workload(cls, recipe: Recipe, source: str) -> None:

@@ -31,7 +31,7 @@ class ZeroPlan(FrameworkPlan):
     Options = ZeroOptions
     own_checkpoint = True  # DeepSpeed's own: every rank writes its partition
     # On CPU DeepSpeed builds its shared-memory op at a run's start (deepspeed/comm/torch.py, build_shm_op)
-    cpu_programs = (("c++", "g++"),)
+    cpu_builds_extension = True
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:

@@ -5,6 +5,7 @@ apply is each executor's `check` (repro.run.executors)."""
 from __future__ import annotations
 
 import shutil
+import sysconfig
 from pathlib import Path
 
 from repro import hardware, launch, registry
@@ -96,10 +97,8 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
     if run.device == "cuda" or (run.device == "auto" and gpus_here):
         return
     plan = registry.plan_class(run.framework)
-    for program, package in plan.cpu_programs:
-        if shutil.which(program) is None:
-            raise LaunchError(f"run.framework: {run.framework} on CPU stand-ins runs {program}, which this machine "
-                              f"lacks: apt-get install {package}")
+    if plan.cpu_builds_extension:
+        check_extension_build(run.framework)
     processes = plan.processes(recipe) // run.nodes
     cores = hardware.cpu_cores()
     if processes > CPU_PROCESSES_PER_CORE * cores and not options.oversubscribe:
@@ -107,6 +106,17 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
             f"run.gpus: {processes} CPU processes stand in for GPUs here, but this machine has {cores} cores and no "
             f"GPU (at most {CPU_PROCESSES_PER_CORE} x {cores} = {CPU_PROCESSES_PER_CORE * cores} processes): "
             "use fewer --gpus, --launcher slurm, or --oversubscribe")
+
+
+def check_extension_build(framework: str) -> None:
+    """This machine can build a C++ extension for this Python, as torch's builder does (a compiler and
+    Python.h: torch/utils/cpp_extension.py)."""
+    needs = {"g++": shutil.which("c++") is not None,
+             "python3-dev": Path(sysconfig.get_paths()["include"], "Python.h").exists()}
+    missing = [package for package, present in needs.items() if not present]
+    if missing:
+        raise LaunchError(f"run.framework: {framework} on CPU stand-ins builds a C++ extension as it starts, and "
+                          f"this machine lacks a compiler or Python's headers: apt-get install {' '.join(missing)}")
 
 
 def check_memory(recipe: Recipe, options: Launch) -> None:
