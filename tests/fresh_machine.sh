@@ -44,7 +44,7 @@ trap unmount EXIT
     step bootstrap mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,ca-certificates,make,git \
         bookworm "$root"
 [ -d "$root/repro" ] || step clone git clone --quiet "$repo" "$root/repro"  # committed files only, as a clone has
-cp /etc/resolv.conf "$root/etc/resolv.conf"
+cp /etc/resolv.conf /etc/hosts "$root/etc/"  # the machine's name resolves (torchrun's rendezvous binds to it)
 # This network's settings, which a fresh machine here has too and the kit does not provide: the CA that signs
 # its TLS (the egress proxy), and pip's configuration (global, site and root's) with the local indexes it names.
 cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
