@@ -106,8 +106,19 @@ def client(uri: str) -> Any:
 
 
 def experiment_id(mlflow_client: Any, name: str) -> str:
+    """The experiment's id, creating it where missing; two runs that start at once against a new store
+    both find it missing, and the one whose creation loses takes the other's."""
+    from mlflow.exceptions import MlflowException
+
     found = mlflow_client.get_experiment_by_name(name)
-    return found.experiment_id if found else mlflow_client.create_experiment(name)
+    if found:
+        return found.experiment_id
+    try:
+        return mlflow_client.create_experiment(name)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return mlflow_client.get_experiment_by_name(name).experiment_id
 
 
 def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:

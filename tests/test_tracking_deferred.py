@@ -108,3 +108,20 @@ def test_a_run_started_while_the_server_is_down_trains_and_is_recorded_once_it_a
     finally:
         job.kill()
         server.stop()
+
+
+@pytest.mark.units
+def test_two_runs_creating_the_experiment_at_once_both_get_its_id(tmp_path: Path):
+    """The run whose creation of a missing experiment loses the race takes the one the other made."""
+    store = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+
+    class LosesTheRace:
+        def get_experiment_by_name(self, name):
+            return store.get_experiment_by_name(name)
+
+        def create_experiment(self, name):
+            made = store.create_experiment(name)  # the other run's, just before ours
+            assert made
+            return store.create_experiment(name)  # ours: RESOURCE_ALREADY_EXISTS
+
+    assert tracking.experiment_id(LosesTheRace(), "repro") == store.get_experiment_by_name("repro").experiment_id
