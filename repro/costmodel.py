@@ -25,7 +25,7 @@ import importlib.util
 import math
 from typing import Any
 
-from repro.costmodel_pipelines import pipedream, torch_pipeline, torchgpipe
+from repro.costmodel_pipelines import busiest, pipedream, torch_pipeline, torchgpipe
 from repro.costmodel_terms import ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, optimizer_bytes
 from repro.shapes import INT64, GPT2Shape, VGG16Shape, dim0_sharded, flat_sharded, parameters, shape_of, tensor_at, tensor_count
 
@@ -310,8 +310,7 @@ def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The counted figures of an epoch event's ranks, as the model states them: the busiest rank's model
     state and activation peak, and by kind the payload per step of the rank that hands over the most
     (the first such rank), as MLflow's comm/bytes_per_step counts it (repro.tracking)."""
-    counted = [(rank.get("comm") or {}).get("bytes", {}) for rank in ranks]
-    comm = max(counted, key=lambda kinds: sum(kinds.values()), default={})
+    comm = busiest([(rank.get("comm") or {}).get("bytes", {}) for rank in ranks])
     activations = [r["activation_peak_bytes"] for r in ranks if r.get("activation_peak_bytes") is not None]
     return {"model_state": max(r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks),
             "activations": max(activations) if activations else None,
