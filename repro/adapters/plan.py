@@ -31,9 +31,9 @@ class FrameworkPlan:
     # Whether the adapter brings its own save_checkpoint and load_checkpoint (its ranks hold different
     # state, or the framework has its own format); repro.adapters.base.Adapter holds adapters to it.
     own_checkpoint: bool = False
-    # Whether its ranks JIT-build a C++ extension on CPU stand-ins: they need a compiler and Python's headers
-    # (checked before start: repro.run.preflight.check_extension_build)
-    cpu_builds_extension: bool = False
+    # The C++ extension its ranks load on CPU stand-ins (a dotted module name), which they JIT-build where it
+    # is not installed prebuilt: then they need a compiler and Python's headers (repro.run.preflight)
+    cpu_extension: str | None = None
 
     @classmethod
     def check_workload(cls, recipe: Recipe, source: str) -> None:

@@ -30,8 +30,9 @@ class ZeroOptions(FrameworkOptions):
 class ZeroPlan(FrameworkPlan):
     Options = ZeroOptions
     own_checkpoint = True  # DeepSpeed's own: every rank writes its partition
-    # On CPU DeepSpeed builds its shared-memory op at a run's start (deepspeed/comm/torch.py, build_shm_op)
-    cpu_builds_extension = True
+    # On CPU DeepSpeed loads its shared-memory op at a run's start, building it unless it was installed
+    # prebuilt (deepspeed/comm/torch.py, build_shm_op; its module: ops/op_builder/cpu/comm.py, absolute_name)
+    cpu_extension = "deepspeed.ops.comm.deepspeed_shm_comm_op"
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:

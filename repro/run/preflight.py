@@ -4,6 +4,7 @@ Checks that hold for every launcher live here as functions; which of the launche
 apply is each executor's `check` (repro.run.executors)."""
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sysconfig
 from pathlib import Path
@@ -97,7 +98,7 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
     if run.device == "cuda" or (run.device == "auto" and gpus_here):
         return
     plan = registry.plan_class(run.framework)
-    if plan.cpu_builds_extension:
+    if plan.cpu_extension and not installed_prebuilt(plan.cpu_extension):
         check_extension_build(run.framework)
     processes = plan.processes(recipe) // run.nodes
     cores = hardware.cpu_cores()
@@ -106,6 +107,15 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
             f"run.gpus: {processes} CPU processes stand in for GPUs here, but this machine has {cores} cores and no "
             f"GPU (at most {CPU_PROCESSES_PER_CORE} x {cores} = {CPU_PROCESSES_PER_CORE * cores} processes): "
             "use fewer --gpus, --launcher slurm, or --oversubscribe")
+
+
+def installed_prebuilt(extension: str) -> bool:
+    """Whether the compiled module `extension` (dotted) is installed, found without importing its packages."""
+    top, *inner = extension.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(Path(spec.submodule_search_locations[0], *inner[:-1]).glob(f"{inner[-1]}*.so"))
 
 
 def check_extension_build(framework: str) -> None:
