@@ -179,8 +179,9 @@ class VGG16Shape:
         """Bytes layers start..stop-1 save for backward at `batch` images, as distinct storages (PyTorch's
         autograd formulas, tools/autograd/derivatives.yaml): a convolution, a max-pool, an average pool to
         more than 1x1 (to 1x1 torch takes a mean, which saves nothing) and a linear save their input; a
-        ReLU its output (in place or not: one storage either way, as the convolution before it saves none
-        of its own output); a max-pool its int64 indices; a dropout with p > 0 a mask of `mask` bytes per
+        ReLU (in place, as build_vgg16 makes them all) its output, which is its input's storage: the
+        convolution's output, or a stage's received input where the stage starts at a ReLU (torchgpipe's
+        balance may cut there); a max-pool its int64 indices; a dropout with p > 0 a mask of `mask` bytes per
         element and a new output, with p = 0 it returns its input, as flatten returns a view. A stage after the first receives its input as a new tensor (saved by its first layer if
         that layer saves its input, or always with `keep_input`: torchgpipe's checkpoint keeps it); the
         first stage's input is the image batch; the last stage also holds the loss (`loss_bytes`)."""
@@ -199,12 +200,13 @@ class VGG16Shape:
             if kind == "dropout" and self.dropout:
                 sizes[("mask", index)] = mask * batch * out
                 saved.add(("mask", index))
+            if kind == "relu":
+                saved.add(root)  # in place: its output is its input's storage
+                continue
             if kind == "flatten" or (kind == "dropout" and not self.dropout):
                 continue  # the output is the input's storage
             root = ("output", index)
             sizes[root] = element * batch * out
-            if kind == "relu":
-                saved.add(root)
         loss = self.loss_bytes(batch) if stop == len(layers) else 0
         return sum(sizes[key] for key in saved) + loss
 

@@ -114,6 +114,9 @@ CELLS = {
     "torch-pipeline-4-vgg16-zero-bubble": ("torch-pipeline", 4, ["torch_pipeline.schedule=zero-bubble"], "vgg16"),
     "pipedream-2": ("pipedream", 2, []), "pipedream-4": ("pipedream", 4, []),
     "pipedream-4-vgg16": ("pipedream", 4, [], "vgg16"), "torchgpipe-4-vgg16": ("torchgpipe", 4, [], "vgg16"),
+    # torchgpipe's balance by time changes from run to run; this one starts partitions at an in-place ReLU
+    # (whose output is the received input's storage), a convolution and a max-pool
+    "torchgpipe-4-vgg16-cuts": ("torchgpipe", 4, ["torchgpipe.balance=[6,8,9,17]"], "vgg16"),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
 # counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.
