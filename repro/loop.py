@@ -187,7 +187,9 @@ class Trainer:
         self.finish_losses()
 
     def validate(self) -> dict[str, float]:
-        sampler = EvenShard(len(self.val_set), self.adapter.data_shard(), self.recipe.train.batch_per_gpu)
+        shard = self.adapter.data_shard()
+        batch = self.recipe.train.eval_batch or self.global_batch // shard[1]
+        sampler = EvenShard(len(self.val_set), shard, batch)
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         self.adapter.set_training(False)
         try:

@@ -51,6 +51,10 @@ class TrainSpec:
     grad_clip: Annotated[float, POSITIVE] | None = None
     log_every: Annotated[int, AT_LEAST_1] = 1
     target_metric: float | None = None  # time-to-target threshold (accuracy: higher is better, perplexity: lower)
+    # samples per process in a validation batch; None: the process's training batch (a pipeline's whole
+    # step, cut into its micro-batches). Validation is outside the timed steps; fewer, larger batches
+    # spare the collectives and pipeline hand-overs each batch costs.
+    eval_batch: Annotated[int, AT_LEAST_1] | None = None
 
 
 @dataclass
