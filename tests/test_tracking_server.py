@@ -15,6 +15,7 @@ import pytest
 
 from conftest import Repro, read_events
 from mlflow_server import POSTGRESQL
+from repro.adapters.zero_plan import extension_folder
 from repro.delivery import State
 from repro.recipe import resolve
 from repro.run import record
@@ -40,8 +41,8 @@ def served(repro: Repro, tracking_server) -> Repro:
 
 def isolate_caches(repro: Repro) -> None:
     """The data checks' hash cache of this test alone (no other process rewrites it); compiled
-    extensions (DeepSpeed's) from the usual place, not built again."""
-    repro.env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    extensions (DeepSpeed's) from this environment's folder, not built again."""
+    repro.env.setdefault("TORCH_EXTENSIONS_DIR", str(extension_folder()))
     repro.env["XDG_CACHE_HOME"] = str(repro.cwd / "cache")
 
 

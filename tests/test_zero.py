@@ -13,6 +13,7 @@ docs/memory.md explains each term.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,17 @@ def test_cli_reports_a_bad_stage_before_launching(repro: Repro) -> None:
     out = repro.here("run", "gpt2", "--framework", "zero", "--set", "zero.stage=5", "--dry-run")
     assert out.returncode == 2
     assert "zero.stage: got 5; ZeRO stages are 1, 2 and 3" in out.stderr
+
+
+@pytest.mark.units
+def test_deepspeed_builds_its_cpu_op_in_a_folder_of_this_environment(monkeypatch, tmp_path: Path) -> None:
+    from repro.adapters.zero_plan import extension_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    here = extension_folder()
+    monkeypatch.setattr(sys, "prefix", "/another/checkout/.venv")
+    assert here.parent == extension_folder().parent == tmp_path / "torch_extensions"
+    assert extension_folder() != here  # another virtualenv builds in its own folder
 
 
 @pytest.mark.units

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from repro.adapters.base import Adapter
-from repro.adapters.zero_plan import ZeroPlan
+from repro.adapters.zero_plan import ZeroPlan, extension_folder
 from repro.metrics import optimizer_tensors, tensor_bytes
 from repro.optim import make_optimizer
 
@@ -66,6 +66,7 @@ class ZeroAdapter(ZeroPlan, Adapter):
         import deepspeed
 
         programs_beside_python_on_path()
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extension_folder()))  # a folder the user set wins
         model = model.to(self.ctx.device)
         optimizer = make_optimizer(self.ctx.recipe.optimizer(), model.parameters())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(

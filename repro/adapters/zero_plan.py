@@ -2,7 +2,11 @@
 the adapter, which imports DeepSpeed: repro.adapters.zero)."""
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from repro.adapters.plan import FrameworkPlan
 from repro.recipe import FrameworkOptions, Recipe
@@ -52,3 +56,14 @@ class ZeroPlan(FrameworkPlan):
                 raise RecipeError(source, f"zero.{name}", f"must be at least 1 element, got {getattr(options, name)}")
         if options.param_persistence_threshold < 0:
             raise RecipeError(source, "zero.param_persistence_threshold", "must be at least 0")
+
+
+def extension_folder() -> Path:
+    """Where DeepSpeed builds its CPU op for this Python environment (torch's TORCH_EXTENSIONS_DIR).
+
+    torch's default is one folder per Python and CUDA version (torch/utils/cpp_extension.py,
+    get_default_build_root), shared by every virtualenv; its build.ninja names the environment's include
+    paths, so two checkouts that take turns rebuild the op each time (35 s here: a matrix's first ZeRO
+    cell paid it after a test clone's run). A folder per environment builds once."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "torch_extensions" / f"repro-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"
