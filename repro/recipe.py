@@ -53,7 +53,8 @@ class TrainSpec:
     target_metric: float | None = None  # time-to-target threshold (accuracy: higher is better, perplexity: lower)
     # samples per process in a validation batch; None: the process's training batch (a pipeline's whole
     # step, cut into its micro-batches). Validation is outside the timed steps; fewer, larger batches
-    # spare the collectives and pipeline hand-overs each batch costs.
+    # spare the collectives and pipeline hand-overs each batch costs. LBANN validates with its trainer's
+    # mini-batch (repro.adapters.lbann_experiment), whatever this says.
     eval_batch: Annotated[int, AT_LEAST_1] | None = None
 
 
