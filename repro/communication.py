@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import re
 import threading
 from functools import partial
@@ -40,6 +41,12 @@ ELEMENT_BYTES = {
 OPERATION = re.compile(r"^(gloo|nccl|mpi|ucc|xccl):(\w+)$")
 BOUNDARY_ACTIVATION = "boundary:activation"  # torchgpipe: a partition's input, handed over from the previous one
 BOUNDARY_GRADIENT = "boundary:gradient"  # and its gradient, handed back in backward
+# Kineto prints its trace stages and device probing at every profile, each rank to the job's output: on a
+# machine without a GPU "gpuGetDeviceCount failed with code 35" (ERROR) and "profiler_start" (USDT) lines
+# that read as failures. This counter records CPU events only, so none of them concerns the run: a level
+# above every message type kineto has (USDT, its highest, is 5 in torch 2.14's kineto) silences them. Kineto
+# reads KINETO_LOG_LEVEL as a profile starts; a user's own setting wins.
+QUIET_KINETO_LEVEL = "10"
 
 
 def payload_bytes(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> int:
@@ -74,6 +81,7 @@ class CommCounter:
         """Count what this process hands to its process groups while the context is open (one step)."""
         from torch.profiler import ProfilerActivity, profile
 
+        os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO_LEVEL)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
             yield
         for event in profiler.profiler.kineto_results.events():

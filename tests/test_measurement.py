@@ -3,7 +3,9 @@ step times come out as a distribution. One in-process rank on gloo; about 10 s."
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -256,3 +258,24 @@ def test_time_clauses_of_memory_findings_wait_for_separable_repeats():
     assert verdict([1.5, 1.6, 1.7])[0] == evidence.FAILS  # separated: judged, and too slow
     found, notes = verdict([1.15, 1.3, 1.4])  # overlaps DDP's 1.0-1.2
     assert found == evidence.HOLDS and "epoch-time clause not separable at 3 repeats" in notes[0]
+
+
+COUNT_ONE_STEP = """
+import torch
+from repro.communication import CommCounter
+with CommCounter().counting():
+    torch.ones(4) + 1
+print("counted")
+"""
+
+
+@pytest.mark.units
+@pytest.mark.parametrize("level, printed", [(None, False), ("4", True)])
+def test_the_communication_counter_keeps_kinetos_lines_out_of_the_output(level, printed):
+    """Kineto prints its stages and device probing at every profile ("gpuGetDeviceCount failed with code 35"
+    on a machine without a GPU, "profiler_start"): the counter silences them, unless the user set a level."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"} | ({"KINETO_LOG_LEVEL": level} if level else {})
+    out = subprocess.run([sys.executable, "-c", COUNT_ONE_STEP], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "counted", out.stderr[-2000:]
+    kineto = [line for line in out.stderr.splitlines() if "profiler_start" in line or "gpuGetDeviceCount" in line]
+    assert bool(kineto) is printed, out.stderr[-2000:]
