@@ -6,12 +6,14 @@ channel (repro.warm.channel): N ranks of a function, forked from the server (rep
 output (the ranks' lines with their `[default<rank>]:` prefix, this process's own messages, and
 torchrun's failure summary when a rank fails) goes to the pipe handed over with the job. A stop signal
 from the parent reaches every rank, which has STOP_GRACE_S to save before it is killed, as under
-torchrun. When the parent goes, the launcher stops its ranks and ends.
+torchrun. When the parent goes, the launcher stops its ranks and ends. It ends its fork server, and
+reaps any rank left to it, before it exits: when the parent's wait for it returns, no process of its jobs is left.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import importlib
 import os
 import select
@@ -24,7 +26,7 @@ from typing import Iterator
 
 from repro.launch import TORCHRUN_SIGNALS
 from repro.warm import channel as messages
-from repro.warm.fork_server import preload
+from repro.warm.fork_server import preload, stop_helpers
 
 
 @contextlib.contextmanager
@@ -47,6 +49,30 @@ def output_to(fd: int) -> Iterator[None]:
             os.dup2(original, target)
             os.close(original)
         os.close(fd)
+
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+
+
+def adopt_orphans() -> None:
+    """Become the reaper of our orphaned descendants (Linux's PR_SET_CHILD_SUBREAPER): a rank whose fork server
+    has ended is re-parented here rather than to PID 1, which in a container often reaps nothing, so that
+    `end_children` can reap it. Elsewhere (no prctl) the system's init does."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def end_children() -> None:
+    """Kill and reap whatever is still a child of ours: the parent's wait for this process then covers every
+    process of its jobs."""
+    import psutil
+
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.waitpid(-1, 0)
 
 
 def say(text: str) -> None:
@@ -100,11 +126,21 @@ def main() -> None:
     parser.add_argument("--channel", type=int, required=True, help="descriptor of this launcher's end of the channel")
     parser.add_argument("--preload", default="", help="modules the fork server imports, comma-separated")
     args = parser.parse_args()
+    adopt_orphans()  # before the fork server starts: the ranks it forks are our descendants
     preload([name for name in args.preload.split(",") if name])  # the fork server imports while we do
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS  # as torchrun's, with SIGUSR1
     from repro.warm import ranks  # noqa: F401  (torch's process API, imported while the fork server starts)
 
     channel = socket.socket(fileno=args.channel)
+    try:
+        serve(channel)
+    finally:  # the ranks have ended: their fork server, and any rank it left, go before we do
+        stop_helpers()
+        end_children()
+
+
+def serve(channel: socket.socket) -> None:
+    """Run the parent's jobs one after another until it closes the channel or goes."""
     while True:
         message, fds = messages.receive(channel)
         if message is None:

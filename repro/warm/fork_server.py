@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 from typing import Sequence
 
@@ -40,3 +41,12 @@ def preload(modules: Sequence[str] = ()) -> list[str]:
         os.environ.clear()
         os.environ.update(saved)
     return wanted
+
+
+def stop_helpers() -> None:
+    """End this process's fork server and resource tracker, and wait for both: reaped here, neither outlives
+    this process (an orphan that ends becomes a zombie where PID 1 reaps nothing, as in a container). Each
+    `_stop` closes the helper's "alive" pipe and waits for it (Lib/multiprocessing/forkserver.py and
+    resource_tracker.py); the standard library's own tests stop them so. A helper not started is left alone."""
+    multiprocessing.forkserver._forkserver._stop()
+    multiprocessing.resource_tracker._resource_tracker._stop()
