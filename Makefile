@@ -49,16 +49,20 @@ MLFLOW_PORT ?= 5000
 MLFLOW_STORE ?= sqlite:///mlflow.db
 EXPERIMENT ?= repro
 
-.PHONY: test-deps test-image help setup lbann-python install install-requirements install-kit test test-fast test-ranks test-end-to-end test-services reproduce-table2 mlflow-ui data clean \
+.PHONY: test-deps test-image help setup ops lbann-python install install-requirements install-kit test test-fast test-ranks test-end-to-end test-services reproduce-table2 mlflow-ui data clean \
 	image sif compose-up bench gpu-check
 
 help:  ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-setup:  ## create .venv and install the kit with its pinned dependencies
+setup:  ## create .venv and install the kit with its pinned dependencies, and build DeepSpeed's CPU op
 	$(VENV_PYTHON) -m venv .venv
 	$(MAKE) install PYTHON=.venv/bin/python REQUIREMENTS=requirements-dev.txt
 	$(MAKE) lbann-python
+	$(MAKE) ops PYTHON=.venv/bin/python
+
+ops:  ## build what a framework's first CPU run would build as it starts (DeepSpeed's shm op), once per environment
+	$(PYTHON) -m repro.cli doctor --build-ops
 
 lbann-python:  ## create .venv-lbann: LBANN 0.104's own Python (protobuf 4.21, numpy, protoc 3.21) for the LBANN front-end tests
 	$(VENV_PYTHON) -m venv .venv-lbann

@@ -198,8 +198,16 @@ def list_() -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def doctor(as_json: bool) -> None:
+@click.option("--build-ops", is_flag=True,
+              help="Instead, build now what a framework's first CPU run would build as it starts (DeepSpeed's "
+                   "shared-memory op, once per Python environment); `make setup` runs this.")
+def doctor(as_json: bool, build_ops: bool) -> None:
     """Versions of torch, CUDA, NCCL and each framework; devices; data presence."""
+    if build_ops:
+        from repro.run.extensions import build_cpu_extensions
+
+        build_cpu_extensions(click.echo)
+        return
     from repro import doctor as doc
 
     report = doc.report()

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from conftest import REPO
 from repro import cli, hardware, registry, tracking
-from repro.run import preflight
+from repro.run import extensions, preflight
 from repro.run.options import Launch, LaunchError
 from repro.run.preflight import CPU_PROCESSES_PER_CORE
 from repro.data.sets import DATASETS
@@ -267,8 +267,8 @@ def test_zero_on_cpu_stand_ins_without_a_compiler_or_headers_is_refused_naming_t
     must build it and cannot is told before."""
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=zero", "run.gpus=2", "run.device=cpu"])
     preflight.check_devices(recipe, Launch())  # this machine builds it
-    monkeypatch.setattr(preflight.shutil, "which", lambda program: None if program == "c++" else f"/usr/bin/{program}")
-    monkeypatch.setattr(preflight.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h there
+    monkeypatch.setattr(extensions.shutil, "which", lambda program: None if program == "c++" else f"/usr/bin/{program}")
+    monkeypatch.setattr(extensions.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})  # no Python.h there
     with pytest.raises(LaunchError, match=r"^run.framework: zero on CPU stand-ins builds a C\+\+ extension as it "
                                           r"starts, and this machine lacks a compiler or Python's headers: "
                                           r"apt-get install g\+\+ python3-dev$"):
@@ -276,3 +276,19 @@ def test_zero_on_cpu_stand_ins_without_a_compiler_or_headers_is_refused_naming_t
     preflight.check_devices(load_file(recipe_path("gpt2", "smoke"), ["run.gpus=2", "run.device=cpu"]), Launch())
     monkeypatch.setattr(preflight, "installed_prebuilt", lambda extension: True)  # as in the image: nothing to build
     preflight.check_devices(recipe, Launch())
+
+
+def test_building_the_ops_ahead_says_why_not_where_this_machine_cannot(monkeypatch, tmp_path):
+    """`make setup` builds DeepSpeed's CPU op ahead of the first ZeRO run; without a compiler it says what to
+    install and goes on (setup does not fail), and where the op is installed prebuilt it builds nothing."""
+    said: list[str] = []
+    monkeypatch.setattr(extensions.shutil, "which", lambda program: None)
+    monkeypatch.setattr(extensions.subprocess, "run", lambda *a, **k: pytest.fail("nothing may be built"))
+    extensions.build_cpu_extensions(said.append)
+    assert said == ["zero: deepspeed.ops.comm.deepspeed_shm_comm_op not built: run.framework: zero on CPU stand-ins "
+                    "builds a C++ extension as it starts, and this machine lacks a compiler or Python's headers: "
+                    "apt-get install g++"]
+    monkeypatch.setattr(extensions, "installed_prebuilt", lambda extension: True)
+    said.clear()
+    extensions.build_cpu_extensions(said.append)
+    assert said == ["zero: deepspeed.ops.comm.deepspeed_shm_comm_op is installed prebuilt"]

@@ -34,6 +34,9 @@ class FrameworkPlan:
     # The C++ extension its ranks load on CPU stand-ins (a dotted module name), which they JIT-build where it
     # is not installed prebuilt: then they need a compiler and Python's headers (repro.run.preflight)
     cpu_extension: str | None = None
+    # "module:function" that builds it now, in a process of its own (`repro doctor --build-ops`, run by
+    # `make setup`), so that no first run pays the build
+    cpu_extension_builder: str | None = None
 
     @classmethod
     def check_workload(cls, recipe: Recipe, source: str) -> None:

@@ -186,6 +186,16 @@ def reachable_tensors(root: Any, depth: int = 4) -> Iterator[torch.Tensor]:
             yield from reachable_tensors(value, depth - 1)
 
 
+def build_cpu_extension() -> None:
+    """Build DeepSpeed's shared-memory op where a ZeRO rank would load it, as a rank's `setup` does
+    (deepspeed/comm/torch.py, build_shm_op: nothing on an accelerator that has no such op)."""
+    from deepspeed.comm.torch import build_shm_op
+
+    programs_beside_python_on_path()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extension_folder()))
+    build_shm_op()
+
+
 def programs_beside_python_on_path() -> None:
     """On CPU, DeepSpeed JIT-builds its shared-memory op (deepspeed/comm/torch.py, build_shm_op), and torch's
     builder runs `ninja` from PATH (torch/utils/cpp_extension.py, verify_ninja_availability). Where PATH has

@@ -37,6 +37,7 @@ class ZeroPlan(FrameworkPlan):
     # On CPU DeepSpeed loads its shared-memory op at a run's start, building it unless it was installed
     # prebuilt (deepspeed/comm/torch.py, build_shm_op; its module: ops/op_builder/cpu/comm.py, absolute_name)
     cpu_extension = "deepspeed.ops.comm.deepspeed_shm_comm_op"
+    cpu_extension_builder = "repro.adapters.zero:build_cpu_extension"
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:

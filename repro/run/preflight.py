@@ -4,15 +4,15 @@ Checks that hold for every launcher live here as functions; which of the launche
 apply is each executor's `check` (repro.run.executors)."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sysconfig
 from pathlib import Path
+
 
 from repro import hardware, launch, registry
 from repro.data import DataError, Verified
 from repro.data.sets import dataset
 from repro.recipe import Recipe, batch_too_big
+from repro.run.extensions import check_extension_build, installed_prebuilt
 from repro.run.options import Launch, LaunchError
 from repro.schema import RecipeError
 
@@ -107,26 +107,6 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
             f"run.gpus: {processes} CPU processes stand in for GPUs here, but this machine has {cores} cores and no "
             f"GPU (at most {CPU_PROCESSES_PER_CORE} x {cores} = {CPU_PROCESSES_PER_CORE * cores} processes): "
             "use fewer --gpus, --launcher slurm, or --oversubscribe")
-
-
-def installed_prebuilt(extension: str) -> bool:
-    """Whether the compiled module `extension` (dotted) is installed, found without importing its packages."""
-    top, *inner = extension.split(".")
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    return any(Path(spec.submodule_search_locations[0], *inner[:-1]).glob(f"{inner[-1]}*.so"))
-
-
-def check_extension_build(framework: str) -> None:
-    """This machine can build a C++ extension for this Python, as torch's builder does (a compiler and
-    Python.h: torch/utils/cpp_extension.py)."""
-    needs = {"g++": shutil.which("c++") is not None,
-             "python3-dev": Path(sysconfig.get_paths()["include"], "Python.h").exists()}
-    missing = [package for package, present in needs.items() if not present]
-    if missing:
-        raise LaunchError(f"run.framework: {framework} on CPU stand-ins builds a C++ extension as it starts, and "
-                          f"this machine lacks a compiler or Python's headers: apt-get install {' '.join(missing)}")
 
 
 def check_memory(recipe: Recipe, options: Launch) -> None:
