@@ -33,13 +33,15 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
     Runs every cell (workload x framework x GPU count, configs/table2.yaml) that MLflow does not
     already hold for the same recipe fingerprint, so an interrupted matrix resumes and a second
     call only rebuilds reports/: table2_platforms.*, results.{md,csv,tex}, *.png, findings.md.
+    While cells run, reports/ is rewritten every few minutes (an early report says so in its
+    first line), and each cell's progress line gives the time left from the finished cells' times.
     Every cell is checked first (recipe, data present and verified, devices or a launcher that
     provides them); a cell that cannot run here gets one line with the reason and the fixing command,
     and the reports carry that reason.
     """
     from repro import tracking
     from repro import table2 as matrix_module
-    from repro.report.build import write_reports
+    from repro.report.build import EarlyReports, write_reports
 
     uri = tracking.tracking_uri(tracking_uri)
     experiment = experiment or f"table2-{scale}"
@@ -54,7 +56,8 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
             click.echo(f"{cell.label:<28} to run")
         return
     if not reports_only:
-        counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed)
+        early = EarlyReports(cells, uri, experiment, reports, scale, out=lambda line: click.echo(line, err=True))
+        counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed, after_each=early)
         click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
                    f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
     if scale == "smoke" and not rows:  # the parity section: its report also feeds the findings

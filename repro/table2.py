@@ -178,25 +178,57 @@ def plan(
 def run_matrix(
     cells: list[Cell], uri: str, experiment: str, retry_failed: bool = False,
     out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    after_each: Callable[[], None] = lambda: None,
 ) -> dict[str, int]:
-    """Run the cells MLflow lacks and that can run here, one after another, with a progress line per cell."""
+    """Run the cells MLflow lacks and that can run here, one after another, with a progress line per cell
+    and `after_each` called after each (the main job rewrites its reports there)."""
     todo, counts = plan(cells, uri, experiment, retry_failed, out)
-    for cell, (code, refusal) in zip(todo, run_each([(c.label, c.recipe) for c in todo], uri, experiment, out)):
+    runs = [(c.label, c.recipe) for c in todo]
+    for cell, (code, refusal) in zip(todo, run_each(runs, uri, experiment, out, after_each)):
         counts["ran" if code == 0 else "failed"] += 1
         cell.skip = refusal
     return counts
 
 
-def run_each(runs: list[tuple[str, Recipe]], uri: str, experiment: str,
-             out: Callable[[str], None]) -> list[tuple[int, str | None]]:
-    """Run each (label, recipe) in turn with `repro run`'s own path, one progress line each (with the
-    time left at the pace so far); per run, its exit code and why it could not start (None when it did)."""
+class TimeLeft:
+    """The time a list of runs has left, from the recorded times of those finished: each run still to go is
+    expected to take what the finished runs of its workload and GPU count took on average (of its workload
+    while none of those has finished, else of all). The matrix's cells differ far more by workload and GPU
+    count (VGG-16 trains 10 epochs, GPT-2 3) than by framework, so the pace of all runs so far misleads."""
+
+    def __init__(self, recipes: list[Recipe]):
+        self.recipes = recipes
+        self.took: list[tuple[tuple[str, int], float]] = []
+
+    @staticmethod
+    def kind(recipe: Recipe) -> tuple[str, int]:
+        return recipe.workload, recipe.run.gpus
+
+    def finished(self, recipe: Recipe, seconds: float) -> None:
+        self.took.append((self.kind(recipe), seconds))
+
+    def expected(self, recipe: Recipe) -> float:
+        workload, gpus = self.kind(recipe)
+        for alike in (lambda k: k == (workload, gpus), lambda k: k[0] == workload, lambda k: True):
+            times = [seconds for kind, seconds in self.took if alike(kind)]
+            if times:
+                return sum(times) / len(times)
+        return 0.0
+
+    def seconds(self) -> float:
+        return sum(self.expected(recipe) for recipe in self.recipes[len(self.took):])
+
+
+def run_each(runs: list[tuple[str, Recipe]], uri: str, experiment: str, out: Callable[[str], None],
+             after_each: Callable[[], None] = lambda: None) -> list[tuple[int, str | None]]:
+    """Run each (label, recipe) in turn with `repro run`'s own path, one progress line each (with the time
+    left, TimeLeft), then `after_each`; per run, its exit code and why it could not start (None when it did)."""
     from repro import runner
     from repro.data import DataError
 
     from repro.run.options import Launch
 
-    results, started = [], time.monotonic()
+    results, left = [], TimeLeft([recipe for _, recipe in runs])
     with kept_warm([recipe for _, recipe in runs]) as warm:
         for index, (label, recipe) in enumerate(runs, 1):
             begun, refusal = time.monotonic(), None
@@ -206,9 +238,11 @@ def run_each(runs: list[tuple[str, Recipe]], uri: str, experiment: str,
             except (DataError, registry.Unavailable) as error:
                 code, refusal = 1, str(error)
             results.append((code, refusal))
-            left = (time.monotonic() - started) / index * (len(runs) - index)
+            left.finished(recipe, time.monotonic() - begun)
             state = "done" if code == 0 else f"FAILED (exit {code})"
-            out(f"[{index}/{len(runs)}] {label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   ~{left:4.0f}s left")
+            out(f"[{index}/{len(runs)}] {label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   "
+                f"~{left.seconds() / 60:4.1f} min left")
+            after_each()
     return results
 
 

@@ -394,3 +394,54 @@ def test_predicted_memory_is_held_against_the_papers_gpus() -> None:
     assert ("ddp at 64 over V100-16GB (82.8% activations), zero at 8 over V100-16GB (92.6% activations), zero at 64 "
             "over V100-16GB (94.2% activations): the paper's runs on those GPUs cannot") in rq.text
     assert "A100" not in rq.text.split("against the paper's GPUs")[1].split(":")[1]  # 38.43 GiB fits an A100 40 GB
+
+
+def test_time_left_expects_each_cell_to_take_what_finished_cells_of_its_kind_took():
+    from repro.table2 import TimeLeft
+
+    def recipe(workload: str, gpus: int):
+        return load_file(recipe_path(workload, "smoke"), [f"run.gpus={gpus}"])
+
+    todo = [recipe("gpt2", 1), recipe("gpt2", 2), recipe("vgg16", 1), recipe("vgg16", 2), recipe("gpt2", 2)]
+    left = TimeLeft(todo)
+    assert left.seconds() == 0.0  # nothing finished: nothing to go by
+    left.finished(todo[0], 10.0)
+    assert left.seconds() == 4 * 10.0  # every kind falls back to all finished runs
+    left.finished(todo[1], 20.0)
+    assert left.seconds() == 15.0 + 15.0 + 20.0  # VGG-16: all runs' mean; GPT-2 at 2: its own
+    left.finished(todo[2], 100.0)
+    assert left.seconds() == 100.0 + 20.0  # VGG-16 at 2: VGG-16's mean, not the matrix's pace
+
+
+def test_early_reports_are_rewritten_rarely_and_say_they_are_early(report: Path, monkeypatch):
+    """After a cell, the reports are rewritten only once MIN_INTERVAL_S and COST_SHARE x the last rewrite's time
+    have passed; the early results.md and findings.md say so in their first line, and no MLflow report run is made."""
+    from repro.report import build
+
+    said, clock = [], [1000.0]
+    monkeypatch.setattr(build.time, "monotonic", lambda: clock[0])
+    writes = []
+
+    def fake_write(*args, **kwargs):
+        writes.append(kwargs["final"])
+        clock[0] += 5.0  # a rewrite takes 5 s
+        for name in ("results.md", "findings.md"):
+            (report.parent / "early" / name).write_text(f"# {name}\n")
+        return [report.parent / "early" / "results.md", report.parent / "early" / "findings.md"]
+
+    monkeypatch.setattr(build, "write_reports", fake_write)
+    (report.parent / "early").mkdir(exist_ok=True)
+    early = build.EarlyReports([], "sqlite:///unused.db", "table2-test", report.parent / "early", "smoke", said.append)
+    clock[0] += 60.0
+    early()
+    assert writes == []  # a minute in: not yet
+    clock[0] += 60.0
+    early()
+    assert writes == [False] and len(said) == 1
+    assert (report.parent / "early" / "findings.md").read_text().startswith("*Early report")
+    clock[0] += 150.0
+    early()  # 150 s after a 5 s rewrite: 40 x 5 = 200 s are not yet up
+    assert writes == [False]
+    clock[0] += 50.0
+    early()
+    assert writes == [False, False]

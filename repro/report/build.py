@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from repro import names
 from repro.hardware import PAPER_PLATFORMS, cpu_cores, this_platform
@@ -15,10 +18,11 @@ REPORT_RUN = "table2-report"
 
 
 def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str,
-                  cores: int | None = None, predict: evidence.Predictor | None = None) -> list[Path]:
+                  cores: int | None = None, predict: evidence.Predictor | None = None, final: bool = True) -> list[Path]:
     """Every report file; the findings also read the parity report already in `folder`, if any.
     `cores`: the machine's (default), which decides whether epoch times can be compared; `predict`:
-    the cost model at paper scale (default: repro.predictions, quoted with the errors of this run's model check)."""
+    the cost model at paper scale (default: repro.predictions, quoted with the errors of this run's model check);
+    `final`: also log the files to the matrix's MLflow report run (not while the matrix still runs)."""
     folder.mkdir(parents=True, exist_ok=True)
     results = collect(cells, uri, experiment)
     nodes = max((r.cell.recipe.run.nodes for r in results if r.ok), default=1)
@@ -36,8 +40,39 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
                                                       "findings": [asdict(f) for f in verdicts]}, indent=2))
     paths += [folder / "findings.md", folder / "findings.json"]
     paths += [path for path in (folder / "parity.md", folder / "parity.json") if path.is_file()]
-    log_report_run(uri, experiment, scale, paths, results)
+    if final:
+        log_report_run(uri, experiment, scale, paths, results)
     return paths
+
+
+class EarlyReports:
+    """Rewrites reports/ while the matrix runs, after a cell, so that a user reads the first results, figures
+    and findings within minutes rather than at the end. A rewrite takes seconds that no cell trains in, so one
+    is due only once the job has run MIN_INTERVAL_S since the last and COST_SHARE times that rewrite's own
+    time: the rewrites take at most 1/COST_SHARE of the job. Each early results.md and findings.md opens
+    with a line saying how many cells it has; the final reports (write_reports) replace them."""
+
+    MIN_INTERVAL_S = 120.0
+    COST_SHARE = 40
+
+    def __init__(self, cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str,
+                 out: Callable[[str], None]):
+        self.write = partial(write_reports, cells, uri, experiment, folder, scale, final=False)
+        self.folder, self.out = folder, out
+        self.last, self.cost = time.monotonic(), 0.0
+
+    def __call__(self) -> None:
+        if time.monotonic() - self.last < max(self.MIN_INTERVAL_S, self.COST_SHARE * self.cost):
+            return
+        started = time.monotonic()
+        paths = self.write()
+        self.last = time.monotonic()
+        self.cost = self.last - started
+        note = (f"*Early report, {time.strftime('%H:%M')}: the matrix is still running; this is rewritten as cells "
+                f"finish, and replaced by the final report at the end.*\n\n")
+        for path in (self.folder / "results.md", self.folder / "findings.md"):
+            path.write_text(note + path.read_text())
+        self.out(f"reports/ rewritten so far ({len(paths)} files, {self.cost:.1f} s): {self.folder / 'findings.md'}")
 
 
 def read_parity(folder: Path) -> tuple[list[dict], list[dict]]:
