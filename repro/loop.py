@@ -277,7 +277,8 @@ class Trainer:
                 **memory,
             )
             at.epoch, at.epoch_step, at.epoch_s = epoch + 1, 0, 0.0
-            self.save(at)
+            if self.checkpoint_due(at):
+                self.save(at)
         self.read_vote()  # every collective ends before teardown
         self.emit(events.END, step=at.step, elapsed_s=at.elapsed_s, host_syncs=dict(self.host_syncs))
         return 0
@@ -290,6 +291,11 @@ class Trainer:
         self.emit(events.INTERRUPTED, signal=self.stop_signal.name, step=at.step, epoch=epoch,
                   no_checkpoint=self.no_checkpoint)
         return 128 + self.stop_signal
+
+    def checkpoint_due(self, at: Position) -> bool:
+        """After every `checkpoint_every`-th epoch, and after the run's last (`at` has moved past the epoch)."""
+        train = self.recipe.train
+        return at.epoch % train.checkpoint_every == 0 or at.epoch == train.epochs or self.done(at)
 
     def done(self, at: Position) -> bool:
         return bool(self.recipe.train.max_steps and at.step >= self.recipe.train.max_steps)

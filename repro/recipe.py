@@ -56,6 +56,9 @@ class TrainSpec:
     # spare the collectives and pipeline hand-overs each batch costs. LBANN validates with its trainer's
     # mini-batch (repro.adapters.lbann_experiment), whatever this says.
     eval_batch: Annotated[int, AT_LEAST_1] | None = None
+    # a checkpoint after every N-th epoch and after the last one (a stop signal saves wherever it lands): each
+    # costs its framework's save between epochs, which a run that is not resumed mid-way never reads
+    checkpoint_every: Annotated[int, AT_LEAST_1] = 1
 
 
 @dataclass

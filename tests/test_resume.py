@@ -264,3 +264,14 @@ def test_resume_with_a_different_recipe_refuses_naming_the_fields(repro):
                 "--resume", str(run_dir))
     assert out.returncode == 2
     assert "the recipe differs from the run's in seed (1234 -> 7), train.epochs (2 -> 1);" in out.stderr
+
+
+@pytest.mark.ranks
+def test_checkpoints_land_after_every_nth_epoch_and_after_the_last(tmp_path: Path) -> None:
+    """train.checkpoint_every: 2 over 5 epochs saves after epochs 2, 4 and 5 (the last), not after 1 and 3."""
+    recipe = load_file(recipe_path("gpt2", "smoke"), [
+        "run.gpus=1", "train.epochs=5", "train.checkpoint_every=2", "data.max_train_samples=32",
+        "data.max_val_samples=16", "train.batch_per_gpu=16", "model.n_layer=1"])
+    events = train(recipe, tmp_path / "run")
+    assert [e["epoch"] for e in events if e["event"] == "checkpoint"] == [2, 4, 5]
+    assert len([e for e in events if e["event"] == "epoch"]) == 5

@@ -40,7 +40,8 @@ def setting(key: str, value: object) -> list[str]:
 
 
 INT_FIELDS = ["train.epochs", "train.batch_per_gpu", "train.max_steps", "train.log_every", "run.gpus", "run.nodes",
-              "run.timeout_s", "data.max_train_samples", "data.max_val_samples", "train.eval_batch"]
+              "run.timeout_s", "data.max_train_samples", "data.max_val_samples", "train.eval_batch",
+              "train.checkpoint_every"]
 FLOAT_FIELDS = ["train.optimizer.lr", "train.optimizer.weight_decay", "train.optimizer.momentum",
                 "train.optimizer.eps", "train.grad_clip", "model.dropout"]
 POSITIVE_FLOATS = ["train.optimizer.lr", "train.optimizer.eps", "train.grad_clip"]
