@@ -40,7 +40,7 @@ def test_unknown_key_names_file_field_and_valid_fields(tmp_path: Path) -> None:
     with pytest.raises(RecipeError) as error:
         load_file(path)
     message = str(error.value)
-    assert message.startswith(f"{path}: train.learning_rate: unknown field; valid fields: batch_per_gpu, epochs")
+    assert message.startswith(f"{path}: train.learning_rate: unknown field; valid fields: batch_per_gpu, checkpoint_every, epochs")
     assert "\n" not in message
 
 
