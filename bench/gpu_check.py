@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CELLS = [(w, f) for w in ("gpt2", "vgg16") for f in ("ddp", "zero", "megatron", "fsdp", "torchgpipe", "pipedream")
          if (w, f) != ("vgg16", "megatron")]
 WARMUP = 5
+FP32_FRAMEWORKS = ("torchgpipe", "pipedream")  # the paper ran both in fp32 (repro.adapters.plan.require_fp32)
 FUSED_BUILD_S = 90  # --fused-ops last builds only with at least this much of --budget left (an nvcc build)
 KILL_WAIT_S = 30  # after a timed-out cell's processes are killed, how long its output may take to close
 MIN_CELL_S = 15  # a cell is not started with less of --budget left
@@ -132,9 +133,14 @@ def measure(workload: str, framework: str, scale: str, steps: int, scratch: Path
     from repro.recipe import load_file, recipe_path
     from repro.registry import adapter_class, workload_class
 
-    overrides = ["data.dataset=synthetic", "data.max_val_samples=8", "train.log_every=1", *extra]
+    precision = ("train.precision=fp32",) if framework in FP32_FRAMEWORKS else ()
+    overrides = ["data.dataset=synthetic", "train.log_every=1", *precision, *extra]
     recipe = load_file(recipe_path(workload, scale), [f"run.framework={framework}", f"run.gpus={gpus}", *overrides])
-    samples = adapter_class(framework).global_batch(recipe) * (steps + 1)
+    batch = adapter_class(framework).global_batch(recipe)
+    samples = batch * (steps + 1)
+    # one whole validation batch: a pipeline cuts it into its micro-batches (a short last batch breaks
+    # torch-pipeline's fixed stage shapes)
+    overrides.append(f"data.max_val_samples={batch}")
     command = [sys.executable, "-m", "repro.cli", "run", workload, "--framework", framework, "--gpus", str(gpus),
                "--scale", scale, "--epochs", "1", "--max-steps", str(steps), "--experiment", "gpu-check",
                "--tracking-uri", f"sqlite:///{scratch}/mlflow.db", "--set", f"data.max_train_samples={samples}"]
