@@ -167,7 +167,9 @@ def measure(workload: str, framework: str, scale: str, steps: int, scratch: Path
     device = start["device_name"]
     return {
         **result, "device": device, "device_type": start["device"].split(":")[0], "precision": recipe.train.precision,
-        "step_s": step_s,
+        "step_s": step_s,  # host wall between step events: a step's launch, not waited for (see epoch_step_s)
+        # the loop's own step-time distribution (CUDA events on a GPU; its warm-up steps left out)
+        "epoch_step_s": epoch.get("step_s"),
         "samples_per_s": per_s, "tokens_per_s": per_s * recipe.model.seq_len if workload == "gpt2" else None,
         "mfu": mfu(device, recipe.train.precision, spec.flops_per_sample() * per_s),
         "peak_allocated_bytes": max(r["peak_bytes"] for r in epoch["ranks"]),
