@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,32 @@ def test_gpu_check_dry_run_on_cpu_writes_its_report(tmp_path: Path) -> None:
     assert gpt2["mfu"] is None  # a CPU is not in the peak table: no guessed MFU
     assert gpt2["memory_method"] == "cpu_peak_rss" and gpt2["peak_allocated_bytes"] > 0
     assert "targets transformers" in vgg16["error"]
+
+
+@pytest.mark.units
+def test_a_cell_past_its_time_limit_is_killed_with_its_whole_tree(tmp_path: Path) -> None:
+    """A hung cell must not take a lease's minutes: it and every process under it (repro run starts
+    torchrun in a session of its own) are killed, and the cells after it get what is left of --budget."""
+    import importlib.util
+
+    import psutil
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    grandchild = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+              f" start_new_session=True); open({str(grandchild)!r}, 'w').write(str(p.pid)); print('started', flush=True);"
+              " time.sleep(60)")
+    started = time.monotonic()
+    code, stdout, stderr = gpu_check.run_cell([sys.executable, "-c", script], tmp_path, timeout=10)  # time to start two Pythons on a busy machine
+    assert code is None and "started" in stdout and "killed after 10 s" in stderr
+    assert time.monotonic() - started < 40
+    pid = int(grandchild.read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    limits = gpu_check.Limits(cell_s=100, budget_s=30)
+    assert 29 < limits.left() <= 30 and not limits.spent()
+    assert gpu_check.Limits(budget_s=gpu_check.MIN_CELL_S - 1).spent()
 
 
 @pytest.mark.units

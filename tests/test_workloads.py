@@ -36,3 +36,18 @@ def test_smoke_models_run_forward() -> None:
     assert gpt(torch.randint(0, 256, (3, 16))).shape == (3, 16, 256)
     vgg = build_vgg16(VGG16Spec(width_div=8, classifier_width=64, pool_size=1, image_size=32, dropout=0.0), 10)
     assert vgg(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
+def test_metric_sums_stay_on_the_outputs_device(workload: str) -> None:
+    """Validation's sums are made where the model's output is (a CPU count stacked with CUDA sums failed
+    every framework's first validation on a GPU); the meta device stands in for CUDA here."""
+    from repro.recipe import load_file, recipe_path
+    from repro.registry import workload_class
+
+    recipe = load_file(recipe_path(workload, "smoke"), [])
+    spec = workload_class(workload)(recipe.model, recipe.data, None)
+    output = torch.zeros(2, 3, 7, device="meta")
+    target = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    sums = spec.metric_sums(output, target)
+    assert sums.device.type == "meta" and sums.shape == (3,)

@@ -49,7 +49,8 @@ class Workload(WorkloadPlan):
         flat_target = target.reshape(-1)
         loss_sum = nn.functional.cross_entropy(flat_out, flat_target, reduction="sum")
         correct = (flat_out.argmax(-1) == flat_target).sum()
-        return torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype), torch.tensor(float(flat_target.numel()))])
+        counted = torch.tensor(float(flat_target.numel()), device=loss_sum.device)  # where the sums are (CUDA)
+        return torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype), counted])
 
     def finish_metric(self, sums: torch.Tensor) -> dict[str, float]:
         loss = float(sums[0] / sums[2])
