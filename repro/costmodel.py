@@ -302,8 +302,10 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None) -> Cell:
         section["balance"] = facts["balance"]
     shape = shape_of(recipe.workload, recipe.model, recipe.data.dataset)
     device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and recipe.scale == "paper") else "cpu"
-    return Cell(shape, recipe.run.framework, recipe.run.gpus, recipe.train.batch_per_gpu, optimizer.name,
-                recipe.train.precision, section, device)
+    train = recipe.train
+    recomputed = (train.recompute_layers or len(shape.blocks())) if train.recompute == "full" else 0
+    return Cell(shape, recipe.run.framework, recipe.run.gpus, train.batch_per_gpu, optimizer.name,
+                train.precision, section, device, train.micro_batch, recomputed)
 
 
 def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:
