@@ -33,6 +33,11 @@ class Cell:
     def option(self, name: str, default: Any) -> Any:
         return self.options.get(name, default)
 
+    @property
+    def accumulation_steps(self) -> int:
+        """Forward-backward passes a step on each process: batch_per_gpu / micro_batch (1 without micro-batches)."""
+        return self.batch_per_gpu // (self.micro_batch or self.batch_per_gpu)
+
 
 @dataclass(frozen=True)
 class Prediction:

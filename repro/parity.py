@@ -84,6 +84,8 @@ CONFIGS = (
            unchanged_by=("train.recompute=full",)),  # checkpoint restores the RNG state: the same masks
     Config("torchgpipe-2-always", "torchgpipe", 2, ("torchgpipe.checkpoint=always",),
            unchanged_by=("torchgpipe.checkpoint=always",)),  # against its default, except_last
+    Config("zero-2-micro", "zero", 2, ("train.micro_batch=2",), cpu_tolerance=1e-6),  # DeepSpeed's gradient accumulation
+    Config("zero-2-recompute", "zero", 2, ("train.recompute=full",), unchanged_by=("train.recompute=full",)),
 )
 
 

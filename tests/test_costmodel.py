@@ -124,6 +124,12 @@ CELLS = {
     "ddp-2-recompute2-micro": ("ddp", 2, ["train.recompute=full", "train.recompute_layers=2", "train.micro_batch=4"]),
     "ddp-2-vgg16-recompute-micro": ("ddp", 2, ["train.recompute=full", "train.micro_batch=4"], "vgg16"),
     "torchgpipe-2-always": ("torchgpipe", 2, ["torchgpipe.checkpoint=always"]),
+    # ZeRO: stage 1 reduces once at the accumulation boundary; stage 2 every micro-batch, keeping the partition's
+    # accumulated gradients beside; stage 3 gathers and reduces every micro-batch
+    "zero-2-micro": ("zero", 2, ["train.micro_batch=2"]), "zero-2-recompute": ("zero", 2, ["train.recompute=full"]),
+    "zero1-2-micro": ("zero", 2, ["zero.stage=1", "train.micro_batch=2"]),
+    "zero3-2-micro": ("zero", 2, ["zero.stage=3", "train.micro_batch=2"]),
+    "zero-4-micro": ("zero", 4, ["train.micro_batch=4"]), "zero3-2-recompute": ("zero", 2, ["zero.stage=3", "train.recompute=full"]),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
 # counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.

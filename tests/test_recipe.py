@@ -109,7 +109,8 @@ def test_a_micro_batch_must_divide_the_batch_and_recompute_layers_need_recompute
 
 
 @pytest.mark.parametrize("framework,setting,why", [
-    ("zero", "train.micro_batch=2", "zero does not accumulate gradients over micro-batches: not yet applied by the kit"),
+    ("fsdp", "train.micro_batch=2", "fsdp does not accumulate gradients over micro-batches: not yet applied by the kit"),
+    ("zero", "train.recompute=selective", "zero does not apply recompute selective \\(it applies train.recompute=full\\)"),
     ("fsdp", "train.recompute=full", "fsdp does not apply recompute full: not yet applied by the kit"),
     ("megatron", "train.recompute=selective", "megatron does not apply recompute selective: not yet applied by the kit"),
     ("pipedream", "train.micro_batch=4", "pipedream does not accumulate gradients over micro-batches: PipeDream has no such"),

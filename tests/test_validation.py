@@ -118,7 +118,7 @@ BAD_INPUTS: dict[str, st.SearchStrategy] = {
     ).map(lambda a: (a, None)),
     "memory setting the framework does not apply": st.builds(
         lambda framework, value: GPT2_SYNTHETIC + ["--framework", framework, "--gpus", "2"] + value,
-        st.sampled_from(["zero", "fsdp", "megatron", "torchgpipe", "pipedream", "torch-pipeline"]),
+        st.sampled_from(["fsdp", "megatron", "torchgpipe", "pipedream", "torch-pipeline"]),
         st.sampled_from([setting("train.recompute", "full"), setting("train.recompute", "selective"),
                          setting("train.micro_batch", 2), setting("train.micro_batch", 4)]),
     ).map(lambda a: (a, None)),

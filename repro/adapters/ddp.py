@@ -16,9 +16,8 @@ from torch import nn
 
 from repro.adapters.base import Adapter
 from repro.adapters.ddp_plan import DDPPlan
-from repro.adapters.recompute import checkpoint_blocks
+from repro.adapters.recompute import apply_recompute
 from repro.optim import make_optimizer
-from repro.shapes import shape_of
 
 
 class DDPAdapter(DDPPlan, Adapter):
@@ -27,23 +26,15 @@ class DDPAdapter(DDPPlan, Adapter):
 
         device = self.ctx.device
         model = model.to(device)
-        self.recomputed = self.recomputed_blocks()
-        checkpoint_blocks(model, self.recomputed, self.activations)
+        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations)
         ids = [device.index] if device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=ids)
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())
         fp16 = self.ctx.recipe.train.precision == "fp16"
         self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
 
-    def recomputed_blocks(self) -> list[tuple[int, int]]:
-        """The layer ranges run under checkpoint: the first train.recompute_layers blocks (all by default)."""
-        train, recipe = self.ctx.recipe.train, self.ctx.recipe
-        if self.recompute(recipe) == "none":
-            return []
-        return shape_of(recipe.workload, recipe.model, recipe.data.dataset).blocks()[: train.recompute_layers]
-
     def facts(self) -> dict[str, Any]:
-        return {"recomputed_blocks": self.recomputed, "accumulation_steps": self.accumulation_steps(self.ctx.recipe)}
+        return {"recomputed_blocks": self.recomputed}
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)

@@ -1,5 +1,5 @@
 """Activation recompute with torch.utils.checkpoint around the workload's blocks: the mechanism of the
-adapters that run the kit's own nn.Sequential of layers themselves (DDP).
+adapters that run the kit's own nn.Sequential of layers themselves (DDP, DeepSpeed ZeRO).
 
 Non-reentrant checkpoint (use_reentrant=False, PyTorch's recommended form): it keeps each block's input
 through a saved tensor (which the activation counter sees), runs the block's forward again when backward
@@ -16,6 +16,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from repro.activation import Counter
+from repro.recipe import Recipe
+from repro.shapes import shape_of
+
+
+def apply_recompute(model: nn.Sequential, recipe: Recipe, mode: str, counter: Counter) -> list[tuple[int, int]]:
+    """Apply `mode` (the framework's effective recompute) to `model`: under full recompute the first
+    train.recompute_layers of the workload's blocks (all by default) run under checkpoint. Returns those
+    blocks' layer ranges (for the start event's facts)."""
+    if mode != "full":
+        return []
+    blocks = shape_of(recipe.workload, recipe.model, recipe.data.dataset).blocks()[: recipe.train.recompute_layers]
+    checkpoint_blocks(model, blocks, counter)
+    return blocks
 
 
 def checkpoint_blocks(model: nn.Sequential, blocks: list[tuple[int, int]], counter: Counter) -> None:
