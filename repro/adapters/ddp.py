@@ -34,7 +34,7 @@ class DDPAdapter(DDPPlan, Adapter):
         self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
 
     def facts(self) -> dict[str, Any]:
-        return {"recomputed_blocks": self.recomputed}
+        return {"recomputed_blocks": self.recomputed} if self.recomputed else {}  # without recompute: as before
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)

@@ -92,7 +92,7 @@ class ZeroAdapter(ZeroPlan, Adapter):
             (self.ctx.run_dir / CONFIG_FILE).write_text(json.dumps(resolved_config(self.engine), indent=2, sort_keys=True))
 
     def facts(self) -> dict[str, Any]:
-        return {"recomputed_blocks": self.recomputed}
+        return {"recomputed_blocks": self.recomputed} if self.recomputed else {}  # without recompute: as before
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
