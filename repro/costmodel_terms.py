@@ -96,16 +96,16 @@ def recomputed_peak(shape: GPT2Shape | VGG16Shape, blocks: list[tuple[int, int]]
     (its input included) is then held beside everything saved before it. The peak is the larger of the end
     of the forward and the largest of those moments. `views`: what the batch's input and targets keep
     beyond the micro-batch's (the input's at every moment, the targets' with the loss only)."""
-    edges = [0, *(edge for block in blocks for edge in block), len(shape.output_elements(1))]
-    held, recomputing = [], []  # per range: held at the end of the forward; a block's recomputed set
+    outputs = shape.output_elements(batch)
+    edges = [0, *(edge for block in blocks for edge in block), len(outputs)]
+    before, recomputing = 0, 0  # held by the ranges so far (at the forward's end); the largest recomputation moment
     for index, (start, stop) in enumerate(zip(edges, edges[1:])):
         if index % 2 == 0:  # the layers between blocks, as one range (a layer may save its predecessor's output)
-            held.append(shape.stage_activation_bytes(start, stop, batch, element, mask) if stop > start else 0)
+            before += shape.stage_activation_bytes(start, stop, batch, element, mask) if stop > start else 0
             continue
-        held.append(element * shape.output_elements(batch)[start - 1] if start else shape.batch_views(batch)[0])
-        recomputing.append((len(held) - 1, shape.stage_activation_bytes(start, stop, batch, element, mask)))
-    moments = [sum(held[:segment]) + working for segment, working in recomputing]
-    return max(sum(held) + views[1], *moments) + views[0]
+        recomputing = max(recomputing, before + shape.stage_activation_bytes(start, stop, batch, element, mask))
+        before += element * outputs[start - 1] if start else shape.batch_views(batch)[0]  # the block's checkpoint
+    return max(before + views[1], recomputing) + views[0]
 
 
 def even_balance(layers: int, parts: int) -> list[int]:
