@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from functools import partial
 from typing import Any, Iterator, Sequence
 
@@ -48,12 +49,21 @@ class Counter:
         self.peak = 0
         self.lock = threading.Lock()  # torchgpipe saves on worker threads and releases on the main one
         self.spent_ns = 0  # host time in pack and release: what counting adds to a step (repro.loop)
+        self.open = False  # while `hooks()` is open (torch.utils.checkpoint's recomputation counts only then)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         started = time.perf_counter_ns()
         if is_weight(tensor) or tensor.device.type == "meta":
             self.spent_ns += time.perf_counter_ns() - started  # unlocked: a lost addition loses a few ns
             return tensor
+        # detached: a saved output would otherwise hold its own grad_fn, a cycle only the garbage
+        # collector frees (autograd gives the unpacked tensor its place in the graph again)
+        saved = _Saved(tensor.detach(), self, self.hold(tensor))
+        self.spent_ns += time.perf_counter_ns() - started
+        return saved
+
+    def hold(self, tensor: torch.Tensor) -> tuple[str, int]:
+        """Count one more saved reference to `tensor`'s storage; its key, for `release`."""
         storage = tensor.untyped_storage()
         key = (str(tensor.device), storage.data_ptr())
         with self.lock:
@@ -62,11 +72,7 @@ class Counter:
                 self.current += entry[1]
                 self.peak = max(self.peak, self.current)
             entry[0] += 1
-            # detached: a saved output would otherwise hold its own grad_fn, a cycle only the garbage
-            # collector frees (autograd gives the unpacked tensor its place in the graph again)
-            saved = _Saved(tensor.detach(), self, key)
-            self.spent_ns += time.perf_counter_ns() - started
-        return saved
+        return key
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether a saved tensor still held shares `tensor`'s storage."""
@@ -87,9 +93,41 @@ class Counter:
                 del self.held[key]
             self.spent_ns += time.perf_counter_ns() - started
 
-    def hooks(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
         """Count what is saved for backward on this thread while the context is open."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.open = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self.open = False
+
+    @contextlib.contextmanager
+    def recomputation(self) -> Iterator[None]:
+        """Count what torch.utils.checkpoint (non-reentrant) recomputes in backward, while `hooks()` is open:
+        the recompute context of its `context_fn`, entered around the block's second forward.
+
+        checkpoint stores the recomputed tensors through a saved-tensors hook of its own, pushed above ours
+        (torch/utils/checkpoint.py: _recomputation_hook), so the counter would never see the recomputed
+        block, the largest thing held in backward. This hook, pushed above checkpoint's, counts each tensor
+        and hands it on to checkpoint's hook (the hooks' stack is read with the private function checkpoint
+        itself uses); the count is released when checkpoint's stored tensor dies (its backward has unpacked
+        and used it). Weights are model state, as in `pack`."""
+        if not self.open:
+            yield
+            return
+        inner_pack, inner_unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)  # checkpoint's, on entry
+
+        def pack(tensor: torch.Tensor) -> Any:
+            if is_weight(tensor):
+                return inner_pack(tensor)
+            stored = tensor.detach()  # what checkpoint would store (it detaches what requires grad), now ours to watch
+            weakref.finalize(stored, self.release, self.hold(tensor))
+            return inner_pack(stored)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, inner_unpack):
+            yield
 
     @property
     def peak_bytes(self) -> int:

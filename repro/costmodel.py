@@ -70,7 +70,7 @@ def zero(cell: Cell) -> Prediction:
     ZeRO paper says of stages 1-2. With one process DeepSpeed still all-reduces the buckets and the norm
     (counted at stage 2: 4 Psi + 4 bytes), and gathers nothing.
     """
-    stage, n = cell.option("stage", 2), cell.gpus
+    stage, n, k = cell.option("stage", 2), cell.gpus, cell.accumulation_steps
     if stage == 3:
         return zero3(cell)
     psi, count = parameters(cell.shape), tensor_count(cell.shape)
@@ -78,8 +78,10 @@ def zero(cell: Cell) -> Prediction:
     bucket = min(cell.option("reduce_bucket_size", 500_000_000), psi)
     grads = FP32 * (psi if stage == 1 else part + straddling(cell.shape, part, n) + held_whole(cell.shape, bucket))
     grads += FP32 * bucket + FP32
+    if stage == 2 and k > 1:
+        grads += FP32 * (part + straddling(cell.shape, part, n))  # the accumulated gradients of the partition's parameters
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
-    comm = {"all_reduce": FP32 * psi + FP32}
+    comm = {"all_reduce": FP32 * psi * (k if stage == 2 else 1) + FP32}
     if n > 1:
         comm["all_gather"] = FP32 * part
     return Prediction(FP32 * part * n, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
@@ -117,9 +119,10 @@ def zero3(cell: Cell) -> Prediction:
         later -= sum(layer)
         if 2 * later >= ZERO3_REUSE_DISTANCE:
             regathered += sum(-(-numel // n) for numel in layer)
-    comm = {"all_reduce": FP32 * n * part + 8}
+    k = cell.accumulation_steps  # every micro-batch gathers the partitions and reduce-scatters its gradients
+    comm = {"all_reduce": k * FP32 * n * part + 8}
     if n > 1:
-        comm["all_gather"] = FP32 * (part + regathered)
+        comm["all_gather"] = k * FP32 * (part + regathered)
     return Prediction(weights, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
 
 
@@ -302,8 +305,10 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None) -> Cell:
         section["balance"] = facts["balance"]
     shape = shape_of(recipe.workload, recipe.model, recipe.data.dataset)
     device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and recipe.scale == "paper") else "cpu"
-    return Cell(shape, recipe.run.framework, recipe.run.gpus, recipe.train.batch_per_gpu, optimizer.name,
-                recipe.train.precision, section, device)
+    train = recipe.train
+    recomputed = (train.recompute_layers or len(shape.blocks())) if train.recompute == "full" else 0
+    return Cell(shape, recipe.run.framework, recipe.run.gpus, train.batch_per_gpu, optimizer.name,
+                train.precision, section, device, train.micro_batch, recomputed)
 
 
 def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:

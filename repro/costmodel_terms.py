@@ -27,9 +27,16 @@ class Cell:
     precision: str = "fp32"
     options: dict[str, Any] = field(default_factory=dict)  # the framework's recipe section, as a mapping
     device: str = "cuda"  # "cpu": dropout keeps a mask of the activations' own dtype (CUDA's fused kernel: 1 byte)
+    micro_batch: int | None = None  # samples per micro-batch where gradients accumulate over several (None: one pass)
+    recomputed: int = 0  # the workload's blocks (shape.blocks()) under full recompute, from the first
 
     def option(self, name: str, default: Any) -> Any:
         return self.options.get(name, default)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Forward-backward passes a step on each process: batch_per_gpu / micro_batch (1 without micro-batches)."""
+        return self.batch_per_gpu // (self.micro_batch or self.batch_per_gpu)
 
 
 @dataclass(frozen=True)
@@ -69,10 +76,36 @@ def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
 
 
 def activations(cell: Cell, batch: int) -> int | None:
-    """Activation peak of the whole model at `batch` samples on one GPU: the sum of what each layer
-    saves for backward (the peak is reached at the end of the forward; docs/memory.md)."""
+    """Activation peak of the whole model on one GPU, `batch` samples a step (docs/memory.md): without
+    recompute the sum of what each layer saves for backward (reached at the end of the forward), with
+    full recompute `recomputed_peak`; with micro-batches, one micro-batch's, but the first layer's input
+    and the loss's targets are views of the whole batch, whose storage they keep (`batch_views`)."""
     element = ACTIVATION_ELEMENT[cell.precision]
-    return cell.shape.activation_bytes(batch, element, element if cell.device == "cpu" else 1)
+    mask, micro = element if cell.device == "cpu" else 1, cell.micro_batch or batch
+    inputs, targets = (whole - part for whole, part in zip(cell.shape.batch_views(batch), cell.shape.batch_views(micro)))
+    if not cell.recomputed:
+        return cell.shape.activation_bytes(micro, element, mask) + inputs + targets
+    return recomputed_peak(cell.shape, cell.shape.blocks()[: cell.recomputed], micro, element, mask, (inputs, targets))
+
+
+def recomputed_peak(shape: GPT2Shape | VGG16Shape, blocks: list[tuple[int, int]], batch: int, element: int, mask: int,
+                    views: tuple[int, int]) -> int:
+    """Activation peak with `blocks` (layer ranges) under full recompute (torch.utils.checkpoint, docs/memory.md
+    "Recompute"): the forward keeps each block's input (the checkpoint) and what the other layers save, the
+    loss included; backward frees the layers after a block before it recomputes the block, whose whole set
+    (its input included) is then held beside everything saved before it. The peak is the larger of the end
+    of the forward and the largest of those moments. `views`: what the batch's input and targets keep
+    beyond the micro-batch's (the input's at every moment, the targets' with the loss only)."""
+    outputs = shape.output_elements(batch)
+    edges = [0, *(edge for block in blocks for edge in block), len(outputs)]
+    before, recomputing = 0, 0  # held by the ranges so far (at the forward's end); the largest recomputation moment
+    for index, (start, stop) in enumerate(zip(edges, edges[1:])):
+        if index % 2 == 0:  # the layers between blocks, as one range (a layer may save its predecessor's output)
+            before += shape.stage_activation_bytes(start, stop, batch, element, mask) if stop > start else 0
+            continue
+        recomputing = max(recomputing, before + shape.stage_activation_bytes(start, stop, batch, element, mask))
+        before += element * outputs[start - 1] if start else shape.batch_views(batch)[0]  # the block's checkpoint
+    return max(before + views[1], recomputing) + views[0]
 
 
 def even_balance(layers: int, parts: int) -> list[int]:

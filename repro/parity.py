@@ -6,7 +6,10 @@ of plain PyTorch (DDP with one rank, which never communicates). The largest per-
 between its training loss and the reference's is compared with a tolerance: 1e-5 in fp32 on CPU,
 where every framework's arithmetic is deterministic and differs from one process only in the order
 of its reductions. PipeDream with one stage must be exact too; with S stages its weight staleness
-changes the arithmetic by design, so its difference is measured and shown, not judged.
+changes the arithmetic by design, so its difference is measured and shown, not judged. The memory
+settings (issue 39): gradients accumulated over micro-batches must stay within 1e-6 of one process at
+the same global batch (only the order of the sums changes); recompute must not change a bit, dropout
+included, so a recompute row is compared with the same configuration without it, at tolerance 0.
 
 This is torchtitan's parity method (docs/converging.md: a control and a test with the same tokens
 per step, the same seed, deterministic kernels) and the gradient-match tests of Megatron's CI, run
@@ -37,7 +40,8 @@ SMALL = {  # each workload's reduced model: still enough layers for 2 pipeline s
 # 4 GPUs, where the matrix's VGG-16 curves part (ZeRO at 4 is compared there step by step, by
 # matrix_partings: 4 DeepSpeed ranks took about 100 s to start here under load, for 4 steps)
 FOUR_GPUS = ("fsdp-4",)  # not in GPT-2's default set (its matrix compares no data-parallel curves at equal settings)
-WORKLOAD_CONFIGS = {"vgg16": ("ddp-2", "ddp-4", "zero-1", "zero-2", "zero-3", "fsdp-2", "fsdp-4", "torchgpipe-2")}
+WORKLOAD_CONFIGS = {"vgg16": ("ddp-2", "ddp-4", "zero-1", "zero-2", "zero-3", "fsdp-2", "fsdp-4", "torchgpipe-2",
+                              "ddp-2-recompute", "ddp-2-micro")}
 ADAM = {"name": "adam", "lr": 0.001, "weight_decay": 0.0}  # PyTorch's Adam for all; LBANN's own differs (docs/lbann.md)
 SGD = {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "momentum": 0.9}
 # largest per-step training-loss difference accepted, by (device type, precision). The GPU bands
@@ -54,6 +58,10 @@ class Config:
     set: tuple[str, ...] = ()
     exact: bool = True  # False: a difference is expected by design, measured rather than judged
     optimizer: tuple[tuple[str, Any], ...] = tuple(ADAM.items())
+    # settings of `set` that must not change the arithmetic (recompute): the row is compared bit for bit with
+    # the same configuration without them, instead of with one process
+    unchanged_by: tuple[str, ...] = ()
+    cpu_tolerance: float | None = None  # a tighter bound on CPU in fp32, where every kernel is deterministic
 
 
 CONFIGS = (
@@ -70,6 +78,14 @@ CONFIGS = (
     Config("pipedream-1", "pipedream", 1),
     Config("pipedream-2", "pipedream", 2, exact=False),  # weight staleness: S-1-s updates behind
     Config("lbann-2", "lbann", 2, exact=False, optimizer=tuple(SGD.items())),  # its reader orders data its own way
+    Config("ddp-2-micro", "ddp", 2, ("train.micro_batch=2",), cpu_tolerance=1e-6),  # 2 micro-batches a rank
+    Config("ddp-2-recompute", "ddp", 2, ("train.recompute=full",), unchanged_by=("train.recompute=full",)),
+    Config("ddp-2-recompute-dropout", "ddp", 2, ("model.dropout=0.1", "train.recompute=full"),
+           unchanged_by=("train.recompute=full",)),  # checkpoint restores the RNG state: the same masks
+    Config("torchgpipe-2-always", "torchgpipe", 2, ("torchgpipe.checkpoint=always",),
+           unchanged_by=("torchgpipe.checkpoint=always",)),  # against its default, except_last
+    Config("zero-2-micro", "zero", 2, ("train.micro_batch=2",), cpu_tolerance=1e-6),  # DeepSpeed's gradient accumulation
+    Config("zero-2-recompute", "zero", 2, ("train.recompute=full",), unchanged_by=("train.recompute=full",)),
 )
 
 
@@ -113,9 +129,25 @@ def settings_text(recipe: Recipe) -> str:
             f"seed {recipe.seed}")
 
 
-def tolerance_for(recipe: Recipe) -> float:
+def tolerance_for(recipe: Recipe, config: Config | None = None) -> float:
+    """The largest loss difference `config`'s row accepts: 0 where it must equal its control bit for bit,
+    else its device and precision's band (tightened on CPU in fp32 where the configuration asks)."""
+    if config is not None and config.unchanged_by:
+        return 0.0
     device = "cuda" if recipe.run.device != "cpu" and hardware.gpu_count() else "cpu"
+    if config is not None and config.cpu_tolerance is not None and (device, recipe.train.precision) == ("cpu", "fp32"):
+        return config.cpu_tolerance
     return TOLERANCE.get((device, recipe.train.precision), TOLERANCE[("cuda", "bf16")])
+
+
+def control_for(config: Config) -> Config:
+    """What `config` is compared with: the same configuration without the settings that must change no bit,
+    or else one process of plain PyTorch (the reference)."""
+    if config.unchanged_by:
+        kept = tuple(value for value in config.set if value not in config.unchanged_by)
+        return Config(f"{config.name} without {', '.join(config.unchanged_by)}", config.framework, config.gpus, kept,
+                      optimizer=config.optimizer)
+    return Config("reference", "ddp", 1, optimizer=config.optimizer)
 
 
 def newest_runs(uri: str, experiment: str) -> dict[str, str]:
@@ -156,13 +188,14 @@ def train(recipes: list[Recipe], uri: str, experiment: str, out: Callable[[str],
 
 def compare(config: Config, recipe: Recipe, losses: list[float] | None, reference: list[float] | None,
             steps: int) -> Row:
-    row = Row(config.name, config.framework, config.gpus, "", settings_text(recipe), steps, workload=recipe.workload)
+    against = f"; against {control_for(config).name}" if config.unchanged_by else ""
+    row = Row(config.name, config.framework, config.gpus, "", settings_text(recipe) + against, steps, workload=recipe.workload)
     if not losses or not reference or len(losses) < steps or len(reference) < steps:
         row.status = "no losses recorded: run failed"
         return row
     row.losses, row.reference_losses = losses[:steps], reference[:steps]
     row.max_abs_diff = max(abs(a - b) for a, b in zip(row.losses, row.reference_losses))
-    row.tolerance = tolerance_for(recipe)
+    row.tolerance = tolerance_for(recipe, config)
     row.status = (PASS if row.max_abs_diff <= row.tolerance else FAIL) if config.exact else MEASURED
     return row
 
@@ -182,8 +215,7 @@ def run_parity(workload: str, scale: str, uri: str, experiment: str, steps: int 
             continue
         try:
             test = recipe_for(config, workload, scale, steps, list(extra))
-            reference = recipe_for(Config("reference", "ddp", 1, optimizer=config.optimizer), workload, scale, steps,
-                                   list(extra))
+            reference = recipe_for(control_for(config), workload, scale, steps, list(extra))
         except RecipeError as error:
             rows.append(Row(config.name, config.framework, config.gpus, f"not applicable: {error.problem}",
                             workload=workload))
@@ -348,7 +380,8 @@ def markdown(rows: list[Row], steps: int, partings: list[Parting] = ()) -> str:
         f"{workloads}: {steps} steps, global batch {GLOBAL_BATCH}, the same seed, data order and optimizer as the "
         "reference (one process), on each workload's reduced model (`SMALL` in repro/parity.py). "
         "`max |loss diff|` is the largest per-step training-loss difference; "
-        "`measured` rows differ by design (PipeDream's weight staleness across stages).", "",
+        "`measured` rows differ by design (PipeDream's weight staleness across stages). A row whose settings say "
+        "`against` is compared with that configuration instead, bit for bit (recompute must change nothing).", "",
         "| workload | configuration | framework | GPUs | settings | max \\|loss diff\\| | tolerance | verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -59,6 +59,15 @@ class TrainSpec:
     # a checkpoint after every N-th epoch and after the last one (a stop signal saves wherever it lands): each
     # costs its framework's save between epochs, which a run that is not resumed mid-way never reads
     checkpoint_every: Annotated[int, AT_LEAST_1] = 1
+    # Memory settings (issue 39), applied by each framework through its own mechanism or refused before
+    # launch (repro.adapters.plan.FrameworkPlan.check_memory). recompute: None is the framework's default
+    # (no recompute; torchgpipe: its own `torchgpipe.checkpoint`); "full" keeps only the input of each of
+    # the workload's blocks (repro.shapes: `blocks`) and recomputes the block in backward.
+    recompute: Literal["none", "selective", "full"] | None = None
+    recompute_layers: Annotated[int, AT_LEAST_1] | None = None  # blocks recomputed, from the first; None: all
+    # samples per micro-batch: gradients accumulate over batch_per_gpu / micro_batch forward-backward passes
+    # before the one optimizer step, so the global batch and the step are unchanged; None: one pass
+    micro_batch: Annotated[int, AT_LEAST_1] | None = None
 
 
 @dataclass
@@ -252,10 +261,32 @@ def check(recipe: Recipe, source: str) -> None:
     plan = registry.load(registry.FRAMEWORKS[run.framework].plan)
     plan.check_workload(recipe, source)
     plan.check(recipe, source)
+    check_memory_settings(recipe, source)
+    plan.check_memory(recipe, source)
     limit = recipe.data.max_train_samples
     if limit is not None and plan.global_batch(recipe) > limit:
         raise RecipeError(source, "train.batch_per_gpu", batch_too_big(recipe, plan.global_batch(recipe), limit,
                                                                      f"data.max_train_samples = {limit}"))
+
+
+def check_memory_settings(recipe: Recipe, source: str) -> None:
+    """The memory settings' own rules, whatever the framework: a micro-batch divides the batch, and
+    recompute_layers names blocks that exist and are recomputed."""
+    from repro.shapes import shape_of
+
+    train = recipe.train
+    if train.micro_batch is not None and train.batch_per_gpu % train.micro_batch:
+        raise RecipeError(source, "train.micro_batch", f"must divide train.batch_per_gpu into equal micro-batches: "
+                          f"{train.batch_per_gpu} % {train.micro_batch} = {train.batch_per_gpu % train.micro_batch}")
+    if train.recompute_layers is None:
+        return
+    if train.recompute in (None, "none"):
+        raise RecipeError(source, "train.recompute_layers", f"{train.recompute_layers} blocks to recompute, but "
+                          f"train.recompute is {train.recompute or 'unset'}: set train.recompute=full")
+    blocks = len(shape_of(recipe.workload, recipe.model, recipe.data.dataset).blocks())
+    if train.recompute_layers > blocks:
+        raise RecipeError(source, "train.recompute_layers", f"{recipe.workload} has {blocks} blocks to recompute, "
+                          f"got {train.recompute_layers}")
 
 
 def check_dataset(recipe: Recipe, source: str) -> None:

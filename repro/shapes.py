@@ -99,6 +99,10 @@ class GPT2Shape:
     def stage_starts(self) -> list[bool]:
         return [True] * (self.n_layer + 2)
 
+    def blocks(self) -> list[tuple[int, int]]:
+        """The layer ranges (start, stop) that full recompute checkpoints: each transformer block."""
+        return [(index, index + 1) for index in range(1, self.n_layer + 1)]
+
     def batch_views(self, batch: int) -> tuple[int, int]:
         """Bytes of what the first layer saves of the input batch (token ids) and the last of the targets:
         a micro-batch cut from a batch is a view, and saving it keeps the whole batch's storage."""
@@ -166,6 +170,13 @@ class VGG16Shape:
     def stage_starts(self) -> list[bool]:
         """Where a pipeline stage may begin: not at an in-place ReLU (its input must stay a leaf)."""
         return [index == 0 or kind != "relu" for index, (kind, _, _) in enumerate(self.layers())]
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """The layer ranges (start, stop) that full recompute checkpoints: each of the five convolution
+        stages, its convolutions and ReLUs up to and with its max-pool (the classifier is not recomputed:
+        its linear layers save little beside their weights)."""
+        ends = [index + 1 for index, (kind, _, _) in enumerate(self.layers()) if kind == "pool"]
+        return list(zip([0, *ends[:-1]], ends))
 
     def output_elements(self, batch: int) -> list[int]:
         """Elements of each layer's output at `batch` images (what a pipeline hands across a cut after it)."""

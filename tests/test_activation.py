@@ -101,3 +101,35 @@ def test_torchgpipe_counts_each_partition_on_its_worker_thread():
     last = 2 * (2 * block_bytes(micro, SMOKE) + head_bytes(micro, SMOKE)) + loss_bytes(8 * SMOKE.seq_len, SMOKE)
     assert [c.peak_bytes for c in counters.counters] == [pytest.approx(first, rel=0.05), pytest.approx(last, rel=0.05)]
     assert counters.peak_bytes == max(c.peak_bytes for c in counters.counters)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_full_recompute_counts_the_recomputed_block_and_changes_no_bit(dropout: float):
+    """torch.utils.checkpoint stores the recomputed block through a hook of its own; the counter sees it
+    (Counter.recomputation): the peak is the embedding, every block's input and one block's whole set, at
+    the last block's recomputation (docs/memory.md, "Recompute"), and the loss and gradients are the same
+    to the bit, dropout included (checkpoint restores the RNG state)."""
+    from repro.adapters.recompute import checkpoint_blocks
+    from repro.shapes import GPT2Shape
+
+    spec = GPT2Spec(4, 64, 4, 64, "bytes", dropout)
+    torch.manual_seed(0)
+    tokens, targets = torch.randint(256, (8, 64)), torch.randint(256, (8, 64))
+    runs = []
+    for recompute in (False, True):
+        torch.manual_seed(1)
+        model, counter = build_gpt2(spec), Counter()
+        if recompute:
+            checkpoint_blocks(model, GPT2Shape.from_model(spec).blocks(), counter)
+        with counter.hooks():
+            loss = loss_of(model, tokens, targets)
+            loss.backward()
+        runs.append((loss, [p.grad for p in model.parameters()], counter))
+    (plain, plain_grads, _), (again, grads, counter) = runs
+    assert torch.equal(plain, again) and all(torch.equal(a, b) for a, b in zip(plain_grads, grads))
+    if not dropout:  # attention's dropout inside SDPA is not in the derivation
+        tokens_n = 8 * 64
+        block_input = FLOAT * tokens_n * spec.d_model
+        embedding = INT64 * tokens_n + INT64 * spec.seq_len
+        assert counter.peak_bytes == embedding + 4 * block_input + block_bytes(tokens_n, spec) - block_input == 2_511_360
+    assert counter.current == 0  # every recomputed tensor released

@@ -117,6 +117,19 @@ CELLS = {
     # torchgpipe's balance by time changes from run to run; this one starts partitions at an in-place ReLU
     # (whose output is the received input's storage), a convolution and a max-pool
     "torchgpipe-4-vgg16-cuts": ("torchgpipe", 4, ["torchgpipe.balance=[6,8,9,17]"], "vgg16"),
+    # the memory settings (issue 39): full recompute (every block, or the first two) keeps the blocks' inputs
+    # and recomputes one block at a time in backward; micro-batches hold one micro-batch's activations but the
+    # whole batch's input and targets (views of it); torchgpipe recomputes every micro-batch, the last too
+    "ddp-2-recompute": ("ddp", 2, ["train.recompute=full"]), "ddp-2-micro": ("ddp", 2, ["train.micro_batch=2"]),
+    "ddp-2-recompute2-micro": ("ddp", 2, ["train.recompute=full", "train.recompute_layers=2", "train.micro_batch=4"]),
+    "ddp-2-vgg16-recompute-micro": ("ddp", 2, ["train.recompute=full", "train.micro_batch=4"], "vgg16"),
+    "torchgpipe-2-always": ("torchgpipe", 2, ["torchgpipe.checkpoint=always"]),
+    # ZeRO: stage 1 reduces once at the accumulation boundary; stage 2 every micro-batch, keeping the partition's
+    # accumulated gradients beside; stage 3 gathers and reduces every micro-batch
+    "zero-2-micro": ("zero", 2, ["train.micro_batch=2"]), "zero-2-recompute": ("zero", 2, ["train.recompute=full"]),
+    "zero1-2-micro": ("zero", 2, ["zero.stage=1", "train.micro_batch=2"]),
+    "zero3-2-micro": ("zero", 2, ["zero.stage=3", "train.micro_batch=2"]),
+    "zero-4-micro": ("zero", 4, ["train.micro_batch=4"]), "zero3-2-recompute": ("zero", 2, ["zero.stage=3", "train.recompute=full"]),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
 # counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.

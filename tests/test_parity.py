@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from repro.parity import GLOBAL_BATCH, Config, Row, compare, recipe_for
+from repro.parity import CONFIGS, GLOBAL_BATCH, Config, Row, compare, control_for, recipe_for
 
 # Loaded by every Python process whose path starts with the folder holding it (sitecustomize): in
 # torchrun's workers, every DDP model gets a communication hook that keeps each rank's own gradient,
@@ -72,6 +72,35 @@ def test_parity_fails_when_gradients_are_not_averaged(repro, tmp_path: Path):
     assert row["losses"][0] == pytest.approx(row["reference_losses"][0], abs=1e-5)
     assert row["max_abs_diff"] > 1e-3  # each rank stepped with half the batch's gradient
     assert "| ddp-2 | ddp | 2 |" in (tmp_path / "reports" / "parity.md").read_text()
+
+
+@pytest.mark.units
+def test_recompute_is_held_to_its_own_configuration_bit_for_bit_and_micro_batches_to_one_process_within_1e6():
+    configs = {c.name: c for c in CONFIGS}
+    dropout = configs["ddp-2-recompute-dropout"]
+    control = recipe_for(control_for(dropout), "gpt2", "smoke", 4, [])
+    test = recipe_for(dropout, "gpt2", "smoke", 4, [])
+    assert (control.run.framework, control.run.gpus, control.model.dropout, control.train.recompute) == ("ddp", 2, 0.1, None)
+    assert (test.model.dropout, test.train.recompute) == (0.1, "full")
+    assert recipe_for(control_for(configs["torchgpipe-2-always"]), "gpt2", "smoke", 4, []).options().checkpoint == "except_last"
+    assert compare(dropout, test, [5.5, 5.4], [5.5, 5.4], 2).status == "pass"
+    off = compare(dropout, test, [5.5, 5.4 + 4.8e-7], [5.5, 5.4], 2)  # one rounding step: not the same arithmetic
+    assert (off.status, off.tolerance) == ("FAIL", 0.0) and "against ddp-2-recompute-dropout without" in off.settings
+    micro = configs["ddp-2-micro"]
+    recipe = recipe_for(micro, "gpt2", "smoke", 4, [])
+    assert (recipe.train.batch_per_gpu, recipe.train.micro_batch) == (4, 2)
+    assert control_for(micro).name == "reference"
+    assert compare(micro, recipe, [5.5, 5.4 + 2e-6], [5.5, 5.4], 2).status == "FAIL"  # within DDP's 1e-5, not 1e-6
+
+
+@pytest.mark.end_to_end
+def test_recompute_changes_no_bit_and_micro_batches_stay_within_1e6(repro, tmp_path: Path):
+    result = repro("parity", "--configs", "ddp-2-micro,ddp-2-recompute-dropout", "--steps", "3",
+                   "--reports", str(tmp_path / "reports"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {row["name"]: row for row in json.loads((tmp_path / "reports" / "parity.json").read_text())["rows"]}
+    assert rows["ddp-2-recompute-dropout"]["max_abs_diff"] == 0.0 and rows["ddp-2-recompute-dropout"]["status"] == "pass"
+    assert rows["ddp-2-micro"]["max_abs_diff"] <= 1e-6 and rows["ddp-2-micro"]["status"] == "pass"
 
 
 @pytest.mark.units

@@ -95,3 +95,44 @@ def test_fingerprint_ignores_other_frameworks_sections() -> None:
     assert load_file(recipe_path("gpt2", "smoke"), ["zero.stage=3"]).fingerprint() == base.fingerprint()
     as_zero = load_file(recipe_path("gpt2", "smoke"), ["run.framework=zero"])
     assert load_file(recipe_path("gpt2", "smoke"), ["run.framework=zero", "zero.stage=3"]).fingerprint() != as_zero.fingerprint()
+
+
+def test_a_micro_batch_must_divide_the_batch_and_recompute_layers_need_recompute() -> None:
+    with pytest.raises(RecipeError, match=r"train\.micro_batch: must divide train\.batch_per_gpu into equal "
+                                          r"micro-batches: 8 % 3 = 2"):
+        load_file(recipe_path("gpt2", "smoke"), ["train.micro_batch=3"])
+    with pytest.raises(RecipeError, match=r"train\.recompute_layers: 2 blocks to recompute, but train\.recompute is "
+                                          r"unset: set train\.recompute=full"):
+        load_file(recipe_path("gpt2", "smoke"), ["train.recompute_layers=2"])
+    with pytest.raises(RecipeError, match=r"train\.recompute_layers: vgg16 has 5 blocks to recompute, got 6"):
+        load_file(recipe_path("vgg16", "smoke"), ["train.recompute=full", "train.recompute_layers=6"])
+
+
+@pytest.mark.parametrize("framework,setting,why", [
+    ("fsdp", "train.micro_batch=2", "fsdp does not accumulate gradients over micro-batches: not yet applied by the kit"),
+    ("zero", "train.recompute=selective", "zero does not apply recompute selective \\(it applies train.recompute=full\\)"),
+    ("fsdp", "train.recompute=full", "fsdp does not apply recompute full: not yet applied by the kit"),
+    ("megatron", "train.recompute=selective", "megatron does not apply recompute selective: not yet applied by the kit"),
+    ("pipedream", "train.micro_batch=4", "pipedream does not accumulate gradients over micro-batches: PipeDream has no such"),
+    ("torchgpipe", "train.recompute=none", "torchgpipe does not take train.recompute: torchgpipe recomputes and cuts "
+                                           "micro-batches its own way: set torchgpipe.checkpoint"),
+    ("ddp", "train.recompute=selective", "ddp does not apply recompute selective \\(it applies train.recompute=full\\): "
+                                         "selective recompute"),
+])
+def test_a_memory_setting_a_framework_does_not_apply_is_refused_saying_why(framework, setting, why) -> None:
+    with pytest.raises(RecipeError, match=why):
+        load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", "run.gpus=2", setting])
+
+
+def test_the_memory_settings_are_recorded_as_effective_and_default_to_the_frameworks_own() -> None:
+    from repro import registry
+
+    def effective(framework: str, *sets: str) -> tuple:
+        recipe = load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", *sets])
+        values = registry.plan_class(framework).effective(recipe)
+        return values["micro_batches"], values["recompute"]
+
+    assert effective("ddp") == (1, "none") and effective("torchgpipe") == (4, "except_last")
+    assert effective("ddp", "train.micro_batch=2", "train.recompute=full") == (4, "full")
+    assert effective("ddp", "train.micro_batch=8") == (1, "none")  # one micro-batch of the whole batch: no accumulation
+    assert effective("torchgpipe", "torchgpipe.checkpoint=always") == (4, "always")

@@ -114,7 +114,7 @@ def test_both_workloads_at_once_arrive_exactly_once(served: Repro, tracking_serv
     params = client(tracking_server.uri).get_run(spec(served.cwd / "runs" / "zero")["mlflow_run_id"]).data.params
     assert {k: params[k] for k in params if k.startswith("effective.")} == {
         "effective.optimizer": "adam", "effective.lr": "0.001", "effective.weight_decay": "0.01",
-        "effective.global_batch": "8", "effective.micro_batches": "1",
+        "effective.global_batch": "8", "effective.micro_batches": "1", "effective.recompute": "none",
     }
     assert "train.optimizer.name" not in params
 

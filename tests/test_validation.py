@@ -41,7 +41,7 @@ def setting(key: str, value: object) -> list[str]:
 
 INT_FIELDS = ["train.epochs", "train.batch_per_gpu", "train.max_steps", "train.log_every", "run.gpus", "run.nodes",
               "run.timeout_s", "data.max_train_samples", "data.max_val_samples", "train.eval_batch",
-              "train.checkpoint_every"]
+              "train.checkpoint_every", "train.micro_batch", "train.recompute_layers"]
 FLOAT_FIELDS = ["train.optimizer.lr", "train.optimizer.weight_decay", "train.optimizer.momentum",
                 "train.optimizer.eps", "train.grad_clip", "model.dropout"]
 POSITIVE_FLOATS = ["train.optimizer.lr", "train.optimizer.eps", "train.grad_clip"]
@@ -111,6 +111,16 @@ BAD_INPUTS: dict[str, st.SearchStrategy] = {
         st.builds(lambda betas: GPT2_SYNTHETIC + setting("train.optimizer.betas", betas),
                   st.lists(st.floats(0, 0.99), max_size=5).filter(lambda b: len(b) != 2)),
         st.builds(lambda dataset: VGG16 + setting("data.dataset", dataset), st.sampled_from(["wikitext-2", "wikitext-103"])),
+        st.builds(lambda micro: GPT2_SYNTHETIC + setting("train.micro_batch", micro), st.integers(3, 10**6)),  # batch 8
+        st.builds(lambda layers: GPT2_SYNTHETIC + setting("train.recompute_layers", layers), st.integers(1, 4)),  # no recompute
+        st.builds(lambda layers: GPT2_SYNTHETIC + setting("train.recompute", "full") + setting("train.recompute_layers", layers),
+                  st.integers(5, 10**6)),  # 4 blocks
+    ).map(lambda a: (a, None)),
+    "memory setting the framework does not apply": st.builds(
+        lambda framework, value: GPT2_SYNTHETIC + ["--framework", framework, "--gpus", "2"] + value,
+        st.sampled_from(["fsdp", "megatron", "torchgpipe", "pipedream", "torch-pipeline"]),
+        st.sampled_from([setting("train.recompute", "full"), setting("train.recompute", "selective"),
+                         setting("train.micro_batch", 2), setting("train.micro_batch", 4)]),
     ).map(lambda a: (a, None)),
     "malformed --set": st.builds(lambda model, text: model + ["--set", text], models, st.one_of(
         st.from_regex(r"[a-z.]{1,12}", fullmatch=True),  # no '='

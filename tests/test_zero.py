@@ -159,3 +159,14 @@ def test_arithmetic_settings_reach_deepspeed_explicitly(grad_clip: float | None,
     assert autocast["enabled"] == (precision != "fp32")
     assert autocast.get("dtype") == {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}[precision]
     assert config["zero_optimization"]["reduce_bucket_size"] == recipe.options().reduce_bucket_size
+
+
+@pytest.mark.units
+@pytest.mark.parametrize("micro_batch, expected", [(None, (8, 1)), (2, (2, 4)), (8, (8, 1))])
+def test_micro_batches_become_deepspeeds_gradient_accumulation(micro_batch: int | None, expected: tuple) -> None:
+    from repro.adapters.base import RunContext
+    from repro.adapters.zero import ZeroAdapter
+
+    recipe = load_file(SMOKE, ["run.framework=zero", f"train.micro_batch={micro_batch or 'null'}"])
+    config = ZeroAdapter(RunContext(recipe, None, 0, 1, 0, torch.device("cpu"))).deepspeed_config()
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == expected

@@ -1,11 +1,22 @@
-"""PyTorch DistributedDataParallel: each rank holds the whole model and averages gradients."""
+"""PyTorch DistributedDataParallel: each rank holds the whole model and averages gradients.
+
+Memory settings (issue 39): train.recompute=full runs the workload's blocks (repro.shapes: `blocks`;
+GPT-2's transformer blocks, VGG-16's five convolution stages up to and with their max-pools) under
+torch.utils.checkpoint (repro.adapters.recompute); train.micro_batch cuts the rank's batch into
+micro-batches whose gradients accumulate in `.grad`, inside `no_sync()` for all but the last, so the
+gradients are all-reduced once a step, as without micro-batches.
+"""
 from __future__ import annotations
+
+import contextlib
+from typing import Any
 
 import torch
 from torch import nn
 
 from repro.adapters.base import Adapter
 from repro.adapters.ddp_plan import DDPPlan
+from repro.adapters.recompute import apply_recompute
 from repro.optim import make_optimizer
 
 
@@ -15,23 +26,38 @@ class DDPAdapter(DDPPlan, Adapter):
 
         device = self.ctx.device
         model = model.to(device)
+        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations)
         ids = [device.index] if device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=ids)
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())
         fp16 = self.ctx.recipe.train.precision == "fp16"
         self.scaler = torch.amp.GradScaler(device.type, enabled=fp16)
 
+    def facts(self) -> dict[str, Any]:
+        return {"recomputed_blocks": self.recomputed} if self.recomputed else {}  # without recompute: as before
+
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
-        with self.autocast():
-            loss = self.ctx.workload.loss(self.model(inputs), targets)
-        self.scaler.scale(loss).backward()
+        steps = self.accumulation_steps(self.ctx.recipe)
+        loss = sum(self.accumulate(part, target, steps, last=index == steps - 1)
+                   for index, (part, target) in enumerate(zip(inputs.chunk(steps), targets.chunk(steps))))
         self.scaler.unscale_(self.optimizer)
         self.clip_gradients(self.model.parameters())
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return self.shard_loss(loss)
+
+    def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, steps: int, last: bool) -> torch.Tensor:
+        """Forward and backward of one of `steps` micro-batches, its loss scaled by 1 / steps so that the
+        gradients summed in `.grad` are the whole batch's mean; DDP all-reduces with the last one only."""
+        with contextlib.nullcontext() if last else self.model.no_sync():
+            with self.autocast():
+                loss = self.ctx.workload.loss(self.model(inputs), targets)
+            if steps > 1:
+                loss = loss / steps
+            self.scaler.scale(loss).backward()
+        return loss.detach()
 
     def model_state_bytes(self) -> dict[str, int]:
         """Parameters, gradients and Adam state as the base counts them, plus DDP's reducer buckets.

@@ -6,3 +6,7 @@ from repro.adapters.plan import FrameworkPlan
 
 class DDPPlan(FrameworkPlan):
     replicated_state = True  # DDP keeps every replica equal: rank 0's state dict is every rank's
+    # torch.utils.checkpoint around the workload's blocks, and no_sync() for all micro-batches but the last
+    recompute_modes, accumulates = ("full",), True
+    memory_settings_refused_because = ("selective recompute (attention's core only) is megatron-core's granularity; "
+                                       "DDP checkpoints whole blocks with torch.utils.checkpoint")

@@ -42,6 +42,8 @@ class LBANNPlan(FrameworkPlan):
     Options = LBANNOptions
 
     workloads = ("vgg16",)
+    memory_settings_refused_because = ("LBANN runs its own model and trainer (repro.adapters.lbann_experiment), "
+                                       "which the kit gives no recompute or gradient accumulation")
     not_applicable_because = ("the kit translates only VGG-16 into LBANN's layers (LBANN 0.104 ships no GPT-2 "
                               "model); use ddp, zero or megatron")
 

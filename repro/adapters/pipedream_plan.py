@@ -18,6 +18,9 @@ class PipeDreamOptions(FrameworkOptions):
 class PipeDreamPlan(FrameworkPlan):
     Options = PipeDreamOptions
     own_checkpoint = True  # one file per stage: its weights, stashed versions and mini-batches in flight
+    memory_settings_refused_because = (
+        "PipeDream has no such mechanism: each stage keeps every in-flight mini-batch's activations for its "
+        "backward against the stashed weights, and a mini-batch is one step (no accumulation)")
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:

@@ -37,6 +37,12 @@ class FrameworkPlan:
     # "module:function" that builds it now, in a process of its own (`repro doctor --build-ops`, run by
     # `make setup`), so that no first run pays the build
     cpu_extension_builder: str | None = None
+    # The memory settings (train.recompute, train.micro_batch, issue 39) this framework applies through its
+    # own mechanism: the recompute modes it takes, and whether it accumulates gradients over micro-batches;
+    # a setting it does not take is refused before launch with `memory_settings_refused_because`.
+    recompute_modes: tuple[str, ...] = ()
+    accumulates: bool = False
+    memory_settings_refused_because: str = "not yet applied by the kit"
 
     @classmethod
     def check_workload(cls, recipe: Recipe, source: str) -> None:
@@ -56,6 +62,28 @@ class FrameworkPlan:
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
         """Raise RecipeError (naming the field) when the recipe cannot run under this framework."""
+
+    @classmethod
+    def check_memory(cls, recipe: Recipe, source: str) -> None:
+        """Refuse, in one line naming the field, a memory setting this framework does not apply."""
+        train, framework = recipe.train, recipe.run.framework
+        if train.recompute not in (None, "none", *cls.recompute_modes):
+            taken = f" (it applies train.recompute={' or '.join(cls.recompute_modes)})" if cls.recompute_modes else ""
+            raise RecipeError(source, "train.recompute", f"{framework} does not apply recompute {train.recompute}"
+                              f"{taken}: {cls.memory_settings_refused_because}")
+        if train.micro_batch not in (None, train.batch_per_gpu) and not cls.accumulates:
+            raise RecipeError(source, "train.micro_batch", f"{framework} does not accumulate gradients over "
+                              f"micro-batches: {cls.memory_settings_refused_because}")
+
+    @classmethod
+    def accumulation_steps(cls, recipe: Recipe) -> int:
+        """Forward-backward passes per optimizer step on each process: batch_per_gpu / micro_batch."""
+        return recipe.train.batch_per_gpu // (recipe.train.micro_batch or recipe.train.batch_per_gpu)
+
+    @classmethod
+    def recompute(cls, recipe: Recipe) -> str:
+        """The recompute this framework trains with (effective.recompute)."""
+        return recipe.train.recompute or "none"
 
     @classmethod
     def command(cls, recipe: Recipe, run_dir: Path, rdzv_endpoint: str | None = None) -> list[str]:
@@ -82,15 +110,17 @@ class FrameworkPlan:
 
     @classmethod
     def micro_batches(cls, recipe: Recipe) -> int:
-        """Micro-batches each global batch is cut into (1 where the framework does not pipeline)."""
-        return 1
+        """Micro-batches each process cuts its share of a global batch into (a pipeline's, or the passes a
+        data-parallel process accumulates gradients over)."""
+        return cls.accumulation_steps(recipe)
 
     @classmethod
     def effective(cls, recipe: Recipe) -> dict[str, Any]:
         """What this framework really trains with, under names every framework shares (MLflow's `effective.*`)."""
         optimizer = recipe.optimizer()
         return {"optimizer": optimizer.name, "lr": optimizer.lr, "weight_decay": optimizer.weight_decay,
-                "global_batch": cls.global_batch(recipe), "micro_batches": cls.micro_batches(recipe)}
+                "global_batch": cls.global_batch(recipe), "micro_batches": cls.micro_batches(recipe),
+                "recompute": cls.recompute(recipe)}
 
 
 def require_fp32(recipe: Recipe, source: str, framework: str) -> None:

@@ -69,6 +69,8 @@ def valid_split(weights: list[int], starts: list[bool], sizes: list[int]) -> boo
 class TorchPipelinePlan(FrameworkPlan):
     Options = TorchPipelineOptions
     own_checkpoint = True  # one file per rank: its stages' parameters and optimizer state
+    memory_settings_refused_because = ("not yet applied by the kit (the schedule's own micro-batches are set by "
+                                       "torch_pipeline.microbatches)")
 
     @classmethod
     def micro_batches(cls, recipe: Recipe) -> int:

@@ -21,6 +21,9 @@ class GPipeOptions(FrameworkOptions):
 class GPipePlan(FrameworkPlan):
     Options = GPipeOptions
     replicated_state = True  # one process holds every partition: its state dict is the whole state
+    memory_settings_refused_because = (
+        "torchgpipe recomputes and cuts micro-batches its own way: set torchgpipe.checkpoint (always, except_last, "
+        "never); its micro-batches are its chunks, train.batch_per_gpu samples each, torchgpipe.chunks_per_gpu x GPUs a step")
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
@@ -34,6 +37,18 @@ class GPipePlan(FrameworkPlan):
             raise RecipeError(
                 source, "torchgpipe.balance", f"needs one entry per GPU: {len(options.balance)} entries for {run.gpus} GPUs"
             )
+
+    @classmethod
+    def check_memory(cls, recipe: Recipe, source: str) -> None:
+        """train.recompute is refused whatever its value (even none: torchgpipe's own default recomputes)."""
+        if recipe.train.recompute is not None:
+            raise RecipeError(source, "train.recompute", f"torchgpipe does not take train.recompute: "
+                              f"{cls.memory_settings_refused_because}")
+        super().check_memory(recipe, source)
+
+    @classmethod
+    def recompute(cls, recipe: Recipe) -> str:
+        return recipe.options("torchgpipe").checkpoint
 
     @classmethod
     def processes(cls, recipe: Recipe) -> int:

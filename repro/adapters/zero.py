@@ -13,6 +13,17 @@ from train.precision through DeepSpeed's torch_autocast (the autocast and GradSc
 rather than DeepSpeed's fp16/bf16 modes, which train a half-precision copy of the model), bucket
 sizes from the `zero:` section. The resolved DeepSpeed configuration is written to the run folder
 (CONFIG_FILE) and recorded with the run. What the model-state count includes: docs/memory.md.
+
+Memory settings (issue 39): train.micro_batch becomes DeepSpeed's train_micro_batch_size_per_gpu and
+gradient_accumulation_steps; the adapter calls engine.backward and engine.step once per micro-batch, as
+DeepSpeed expects: backward scales the loss by 1 / gradient_accumulation_steps, and step updates the
+weights only at the accumulation boundary (the last micro-batch). train.recompute=full runs the
+workload's blocks under torch.utils.checkpoint (repro.adapters.recompute), not deepspeed.checkpointing:
+that is Megatron's reentrant checkpoint, which the model must call itself and which restores the CUDA
+generator through a model-parallel RNG tracker (`configure(mpu_, ...)`), while DeepSpeed's
+`activation_checkpointing` config only tunes those calls; torch's non-reentrant checkpoint needs no model
+change, restores the CPU and CUDA RNG states, and is the one the DDP cells and the activation counter
+(Counter.recomputation) already hold to the byte.
 """
 from __future__ import annotations
 
@@ -27,6 +38,7 @@ import torch
 from torch import nn
 
 from repro.adapters.base import Adapter
+from repro.adapters.recompute import apply_recompute
 from repro.adapters.zero_plan import ZeroPlan, extension_folder
 from repro.metrics import optimizer_tensors, tensor_bytes
 from repro.optim import make_optimizer
@@ -44,8 +56,8 @@ class ZeroAdapter(ZeroPlan, Adapter):
         """The configuration handed to deepspeed.initialize, every arithmetic setting explicit."""
         recipe, options = self.ctx.recipe, self.options
         config: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": recipe.train.batch_per_gpu,
-            "gradient_accumulation_steps": 1,
+            "train_micro_batch_size_per_gpu": recipe.train.micro_batch or recipe.train.batch_per_gpu,
+            "gradient_accumulation_steps": self.accumulation_steps(recipe),
             "gradient_clipping": recipe.train.grad_clip or 0.0,
             "zero_optimization": {
                 "stage": options.stage,
@@ -68,6 +80,7 @@ class ZeroAdapter(ZeroPlan, Adapter):
         programs_beside_python_on_path()
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extension_folder()))  # a folder the user set wins
         model = model.to(self.ctx.device)
+        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations)
         optimizer = make_optimizer(self.ctx.recipe.optimizer(), model.parameters())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.deepspeed_config(), dist_init_required=False,
@@ -78,15 +91,24 @@ class ZeroAdapter(ZeroPlan, Adapter):
         if self.ctx.rank == 0 and self.ctx.run_dir:
             (self.ctx.run_dir / CONFIG_FILE).write_text(json.dumps(resolved_config(self.engine), indent=2, sort_keys=True))
 
+    def facts(self) -> dict[str, Any]:
+        return {"recomputed_blocks": self.recomputed} if self.recomputed else {}  # without recompute: as before
+
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+        steps = self.accumulation_steps(self.ctx.recipe)
+        losses = [self.micro_step(part, target) for part, target in zip(inputs.chunk(steps), targets.chunk(steps))]
+        self.steps_counted += 1
+        return self.shard_loss(losses[0] if steps == 1 else torch.stack(losses).mean())
+
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch through the engine: DeepSpeed scales its loss and steps at the accumulation boundary."""
         loss = self.ctx.workload.loss(self.engine(inputs), targets)
         if self.steps_counted < COUNTED_STEPS:
             loss.register_hook(self._measure_when_backward_ends)
-            self.steps_counted += 1
         self.engine.backward(loss)
         self.engine.step()
-        return self.shard_loss(loss)
+        return loss.detach()
 
     def _measure_when_backward_ends(self, grad: torch.Tensor) -> None:
         """Runs as backward starts; queues the count for when autograd has produced every gradient."""

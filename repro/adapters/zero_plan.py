@@ -38,6 +38,11 @@ class ZeroPlan(FrameworkPlan):
     # prebuilt (deepspeed/comm/torch.py, build_shm_op; its module: ops/op_builder/cpu/comm.py, absolute_name)
     cpu_extension = "deepspeed.ops.comm.deepspeed_shm_comm_op"
     cpu_extension_builder = "repro.adapters.zero:build_cpu_extension"
+    # DeepSpeed's gradient_accumulation_steps, and torch.utils.checkpoint around the workload's blocks
+    # (repro.adapters.zero says why not deepspeed.checkpointing)
+    recompute_modes, accumulates = ("full",), True
+    memory_settings_refused_because = ("selective recompute (attention's core only) is megatron-core's granularity; "
+                                       "under ZeRO the kit checkpoints whole blocks with torch.utils.checkpoint")
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
