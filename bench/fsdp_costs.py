@@ -14,10 +14,12 @@ communication counter: calls and payload per kind), with the load average before
 Variants (default: all):
 - none: the model without FSDP or DDP: the arithmetic alone, nothing communicated;
 - ddp: DistributedDataParallel, the kit's control;
-- layer: FSDP2 as the kit applies it (a unit per layer that owns parameters, the multi-tensor optimizer);
-- layer-loop: the same with the optimizer's per-tensor loop (torch's default on CPU; the kit before);
-- layer-root-kept: the root unit kept gathered from forward to backward (FSDP2's default for the root;
+- block: FSDP2 as the kit applies it (a unit per block of the workload's model, the multi-tensor optimizer);
+- block-loop: the same with the optimizer's per-tensor loop (torch's default on CPU);
+- block-root-kept: the root unit kept gathered from forward to backward (FSDP2's default for the root;
   the kit reshards it too, and backward gathers it again at once);
+- layer, layer-loop: a unit per layer with parameters (VGG-16: 16 units, not 8), with either optimizer
+  path (layer-loop: the kit before issue 41);
 - root: the whole model one FSDP unit (one all-gather, one reduce-scatter a step).
 """
 from __future__ import annotations
@@ -43,24 +45,18 @@ WARM_UP = 3  # rounds left out: allocator, first collectives, optimizer state
 PARTS = ("forward", "backward", "optimizer", "step")
 
 
-def variant(name: str, model: torch.nn.Sequential, recipe) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    if name == "none":
+def variant(name: str, model: torch.nn.Sequential, workload, recipe) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    if name in ("none", "ddp"):
+        model = torch.nn.parallel.DistributedDataParallel(model) if name == "ddp" else model
         return model, make_optimizer(recipe.optimizer(), model.parameters(), foreach=True)
-    if name == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-        return model, make_optimizer(recipe.optimizer(), model.parameters(), foreach=True)
-    if name == "layer":
-        return fsdp_parts(model, recipe)
-    if name == "layer-loop":
-        return fsdp_parts(model, recipe, foreach=None)
-    if name == "layer-root-kept":
-        return fsdp_parts(model, recipe, reshard_root=None)
-    if name == "root":
-        return fsdp_parts(model, recipe, wrap="root")
-    raise SystemExit(f"fsdp_costs.py: unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
+    options = {"block": {}, "block-loop": {"foreach": None}, "block-root-kept": {"reshard_root": None},
+               "layer": {"wrap": "layer"}, "layer-loop": {"wrap": "layer", "foreach": None}, "root": {"wrap": "root"}}
+    if name not in options:
+        raise SystemExit(f"fsdp_costs.py: unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
+    return fsdp_parts(model, workload, recipe, **options[name])
 
 
-VARIANTS = ("none", "ddp", "layer", "layer-loop", "layer-root-kept", "root")
+VARIANTS = ("none", "ddp", "block", "block-loop", "block-root-kept", "layer", "layer-loop", "root")
 
 
 def timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, workload, x, y, align: bool = True) -> list[float]:
@@ -91,7 +87,7 @@ def main(workload_name: str, rounds: int, names: list[str]) -> None:
     sampler = GlobalBatches(len(train), recipe.train.batch_per_gpu * world, (rank, world), order, 0)
     data = list(batches(train, sampler, recipe.data.workers))
     base = build_model(workload, recipe)
-    built = {name: variant(name, copy.deepcopy(base), recipe) for name in names}
+    built = {name: variant(name, copy.deepcopy(base), workload, recipe) for name in names}
     times = {name: [] for name in names}
     comm = {}
     for index in range(rounds + WARM_UP):

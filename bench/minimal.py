@@ -10,9 +10,9 @@ It ends as the loop does (repro.loop.Trainer.close): every rank waits for the ot
 DeepSpeed and the process group are torn down, else a rank that leaves first aborts its peer
 (SIGABRT at exit).
 
-FSDP2 is written out as its users write it (`fully_shard` on each layer that owns parameters, then on
-the model; the optimizer over the DTensor parameters); `fsdp_parts` takes the wrapping and options
-to vary, for bench/fsdp_costs.py.
+FSDP2 is written out as its users write it (`fully_shard` on each of the kit's units, the workload's
+blocks, then on the model; the optimizer over the DTensor parameters); `fsdp_parts` takes the wrapping
+and options to vary, for bench/fsdp_costs.py.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/minimal.py ddp OUT.json STEPS [WORKLOAD]
 """
@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from repro import registry, seeding
-from repro.adapters.base import parameter_users
 from repro.data.sets import dataset
 from repro.batches import GlobalBatches, batches
 from repro.optim import make_optimizer
@@ -71,28 +70,29 @@ def zero_step(model: torch.nn.Module, workload: Workload, recipe: Recipe) -> tup
 
 
 def fsdp_parts(
-    model: torch.nn.Sequential, recipe: Recipe, wrap: str = "layer", reshard_root: bool | None = True,
-    foreach: bool | None = True,
+    model: torch.nn.Sequential, workload: Workload, recipe: Recipe, wrap: str = "block",
+    reshard_root: bool | None = True, foreach: bool | None = True,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """FSDP2 over the whole world, fp32. `wrap`: "layer" (a unit per layer that owns parameters, those
-    sharing one, GPT-2's tied embedding and head, left to the root: what the kit does) or "root" (the
-    model one unit). `reshard_root`: the root's reshard_after_forward (True, as the kit passes it to every
-    unit; None: FSDP2's default, False for the root, which backward would gather again at once; the
-    other units reshard). `foreach`: the torch optimizers' multi-tensor path (None: torch's default, on
-    CPU the per-tensor loop)."""
+    """FSDP2 over the whole world, fp32. `wrap`: "block" (a unit per block of the workload's model, as
+    the kit wraps it: repro.adapters.fsdp.units), "layer" (a unit per layer with parameters: the kit
+    before) or "root" (the model one unit). `reshard_root`: the root's reshard_after_forward (True, as
+    the kit passes it to every unit; None: FSDP2's default, False for the root, which backward would
+    gather again at once; the other units reshard). `foreach`: the torch optimizers' multi-tensor path
+    (None: torch's default, on CPU the per-tensor loop)."""
     from torch.distributed.fsdp import fully_shard
 
-    if wrap == "layer":
-        shared = {index for users in parameter_users(model).values() if len(users) > 1 for index in users}
-        for index, layer in enumerate(model):
-            if index not in shared and next(layer.parameters(), None) is not None:
-                fully_shard(layer)
+    from repro.adapters.fsdp import units
+
+    if wrap != "root":
+        blocks = workload.blocks(model) if wrap == "block" else [[index] for index in range(len(model))]
+        for unit in units(model, blocks):
+            fully_shard(unit)
     fully_shard(model, reshard_after_forward=reshard_root)
     return model, make_optimizer(recipe.optimizer(), model.parameters(), foreach=foreach)
 
 
 def fsdp_step(model: torch.nn.Module, workload: Workload, recipe: Recipe) -> tuple[Step, Teardown]:
-    model, optimizer = fsdp_parts(model, recipe)
+    model, optimizer = fsdp_parts(model, workload, recipe)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
