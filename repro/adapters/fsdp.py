@@ -69,7 +69,7 @@ class FSDPAdapter(FSDPPlan, Adapter):
         # The multi-tensor path (foreach): on CPU torch's optimizers default to a loop over the
         # parameters, and each of its operations on a DTensor passes DTensor's dispatch in Python;
         # foreach takes a few operations for all of them. Same arithmetic, bit for bit (docs/measurement.md
-        # "FSDP's cost"); timm's LAMB has one path only.
+        # "FSDP's cost"); not for timm's LAMB, whose foreach path rounds differently (repro.optim).
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters(), foreach=True)
 
     def facts(self) -> dict[str, Any]:
