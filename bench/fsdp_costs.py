@@ -14,17 +14,22 @@ communication counter: calls and payload per kind), with the load average before
 Variants (default: all):
 - none: the model without FSDP or DDP: the arithmetic alone, nothing communicated;
 - ddp: DistributedDataParallel, the kit's control;
+- kit: the kit's FSDP adapter (repro.adapters.fsdp), its whole step (`train_step`), beside `block`: the
+  adapter's own share of a step, without the drift that separates bench/paired.py's blocks;
 - block: FSDP2 as the kit applies it (a unit per block of the workload's model, the multi-tensor optimizer);
 - block-loop: the same with the optimizer's per-tensor loop (torch's default on CPU);
 - block-root-kept: the root unit kept gathered from forward to backward (FSDP2's default for the root;
   the kit reshards it too, and backward gathers it again at once);
 - layer, layer-loop: a unit per layer with parameters (VGG-16: 16 units, not 8), with either optimizer
   path (layer-loop: the kit before issue 41);
-- root: the whole model one FSDP unit (one all-gather, one reduce-scatter a step).
+- root: the whole model one FSDP unit (one all-gather, one reduce-scatter a step);
+- block-lamb-foreach: `block` with timm's LAMB on its multi-tensor path (not bit for bit its loop's
+  arithmetic, so not the kit's; GPT-2 only).
 """
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import sys
@@ -35,6 +40,8 @@ import torch.distributed as dist
 from minimal import build_model, fsdp_parts
 
 from repro import registry, seeding
+from repro.adapters.base import RunContext
+from repro.adapters.fsdp import FSDPAdapter
 from repro.batches import GlobalBatches, batches
 from repro.communication import CommCounter
 from repro.data.sets import dataset
@@ -45,25 +52,45 @@ WARM_UP = 3  # rounds left out: allocator, first collectives, optimizer state
 PARTS = ("forward", "backward", "optimizer", "step")
 
 
-def variant(name: str, model: torch.nn.Sequential, workload, recipe) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+Parts = tuple[torch.nn.Module, torch.optim.Optimizer]
+
+
+def variant(name: str, model: torch.nn.Sequential, workload, recipe) -> Parts | FSDPAdapter:
+    if name == "kit":
+        world = dist.get_world_size()
+        context = RunContext(recipe, workload, dist.get_rank(), world, 0, torch.device("cpu"))
+        adapter = FSDPAdapter(context)
+        adapter.setup(model)
+        return adapter
     if name in ("none", "ddp"):
         model = torch.nn.parallel.DistributedDataParallel(model) if name == "ddp" else model
         return model, make_optimizer(recipe.optimizer(), model.parameters(), foreach=True)
     options = {"block": {}, "block-loop": {"foreach": None}, "block-root-kept": {"reshard_root": None},
-               "layer": {"wrap": "layer"}, "layer-loop": {"wrap": "layer", "foreach": None}, "root": {"wrap": "root"}}
+               "layer": {"wrap": "layer"}, "layer-loop": {"wrap": "layer", "foreach": None}, "root": {"wrap": "root"},
+               "block-lamb-foreach": {}}
     if name not in options:
         raise SystemExit(f"fsdp_costs.py: unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
-    return fsdp_parts(model, workload, recipe, **options[name])
+    model, optimizer = fsdp_parts(model, workload, recipe, **options[name])
+    if name == "block-lamb-foreach":  # timm's LAMB reads its path from the group at each step
+        for group in optimizer.param_groups:
+            group["foreach"] = True
+    return model, optimizer
 
 
-VARIANTS = ("none", "ddp", "block", "block-loop", "block-root-kept", "layer", "layer-loop", "root")
+VARIANTS = ("none", "ddp", "kit", "block", "block-loop", "block-root-kept", "layer", "layer-loop", "root",
+            "block-lamb-foreach")
 
 
-def timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, workload, x, y, align: bool = True) -> list[float]:
-    """Forward (zero_grad, forward, loss), backward, optimizer step and the whole, in milliseconds."""
+def timed_step(built: Parts | FSDPAdapter, workload, x, y, align: bool = True) -> list[float]:
+    """Forward (zero_grad, forward, loss), backward, optimizer step and the whole, in milliseconds; the
+    kit's step is one call (Adapter.train_step), whole only (its parts: NaN)."""
     if align:
         dist.barrier()
     start = time.perf_counter()
+    if isinstance(built, FSDPAdapter):
+        built.train_step(x, y)
+        return [math.nan] * 3 + [(time.perf_counter() - start) * 1e3]
+    model, optimizer = built
     optimizer.zero_grad(set_to_none=True)
     loss = workload.loss(model(x), y)
     forward = time.perf_counter()
@@ -75,11 +102,12 @@ def timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, workloa
 
 
 def main(workload_name: str, rounds: int, names: list[str]) -> None:
-    recipe = load_file(recipe_path(workload_name, "smoke"), ["run.framework=fsdp"])
+    world = int(os.environ["WORLD_SIZE"])  # torchrun's
+    recipe = load_file(recipe_path(workload_name, "smoke"), ["run.framework=fsdp", f"run.gpus={world}"])
     torch.set_num_threads(1)
     seeding.make_deterministic(on_cuda=False)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     loaded = os.getloadavg()[0]
     workload = registry.workload_class(workload_name)(recipe.model, recipe.data, dataset(recipe.data.dataset).locate())
     train, _ = workload.datasets()
@@ -92,14 +120,14 @@ def main(workload_name: str, rounds: int, names: list[str]) -> None:
     comm = {}
     for index in range(rounds + WARM_UP):
         x, y = data[index % len(data)]
-        for name, (model, optimizer) in built.items():
+        for name, parts in built.items():
             if index == WARM_UP - 1:  # one step counted, after the others' warm-up
                 counter, _ = CommCounter(), dist.barrier()
                 with counter.counting():
-                    timed_step(model, optimizer, workload, x, y, align=False)
+                    timed_step(parts, workload, x, y, align=False)
                 comm[name] = counter.per_step()
                 continue
-            measured = timed_step(model, optimizer, workload, x, y)
+            measured = timed_step(parts, workload, x, y)
             if index >= WARM_UP:
                 times[name].append(measured)
     if rank == 0:
