@@ -1,5 +1,5 @@
-"""The baseline of the harness-overhead benchmark: the smoke GPT-2 trained by a minimal loop
-written directly on the framework's API (DDP or DeepSpeed ZeRO), with the kit's model (its weights,
+"""The baseline of the harness-overhead benchmark: a smoke workload (GPT-2, or VGG-16) trained by a
+minimal loop written directly on the framework's API (DDP, DeepSpeed ZeRO or FSDP2), with the kit's model (its weights,
 from the model seed of the kit's seed table), data (in its data-order seed's order, fetched as the kit
 fetches it: repro.batches.batches), batch, sampler,
 optimizer, DeepSpeed configuration and deterministic kernels (the recipe's seed policy, which
@@ -10,7 +10,11 @@ It ends as the loop does (repro.loop.Trainer.close): every rank waits for the ot
 DeepSpeed and the process group are torn down, else a rank that leaves first aborts its peer
 (SIGABRT at exit).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/minimal.py ddp OUT.json STEPS
+FSDP2 is written out as its users write it (`fully_shard` on each of the kit's units, the workload's
+blocks, then on the model; the optimizer over the DTensor parameters); `fsdp_parts` takes the wrapping
+and options to vary, for bench/fsdp_costs.py.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/minimal.py ddp OUT.json STEPS [WORKLOAD]
 """
 from __future__ import annotations
 
@@ -23,18 +27,18 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from repro import seeding
+from repro import registry, seeding
 from repro.data.sets import dataset
 from repro.batches import GlobalBatches, batches
 from repro.optim import make_optimizer
 from repro.recipe import Recipe, load_file, recipe_path
-from repro.workloads.gpt2 import GPT2Workload
+from repro.workloads.base import Workload
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 Teardown = Callable[[], None]
 
 
-def ddp_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) -> tuple[Step, Teardown]:
+def ddp_step(model: torch.nn.Module, workload: Workload, recipe: Recipe) -> tuple[Step, Teardown]:
     model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = make_optimizer(recipe.optimizer(), model.parameters())
 
@@ -46,7 +50,7 @@ def ddp_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) -> 
     return step, lambda: None
 
 
-def zero_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) -> tuple[Step, Teardown]:
+def zero_step(model: torch.nn.Module, workload: Workload, recipe: Recipe) -> tuple[Step, Teardown]:
     import deepspeed
 
     from repro.adapters.base import RunContext
@@ -65,10 +69,43 @@ def zero_step(model: torch.nn.Module, workload: GPT2Workload, recipe: Recipe) ->
     return step, engine.destroy
 
 
-STEP_BUILDERS = {"ddp": ddp_step, "zero": zero_step}
+def fsdp_parts(
+    model: torch.nn.Sequential, workload: Workload, recipe: Recipe, wrap: str = "block",
+    reshard_root: bool | None = True, foreach: bool | None = True,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """FSDP2 over the whole world, fp32. `wrap`: "block" (a unit per block of the workload's model, as
+    the kit wraps it: repro.adapters.fsdp.units), "layer" (a unit per layer with parameters: the kit
+    before) or "root" (the model one unit). `reshard_root`: the root's reshard_after_forward (True, as
+    the kit passes it to every unit; None: FSDP2's default, False for the root, which backward would
+    gather again at once; the other units reshard). `foreach`: the torch optimizers' multi-tensor path
+    (None: torch's default, on CPU the per-tensor loop)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from repro.adapters.fsdp import units
+
+    if wrap != "root":
+        blocks = workload.blocks(model) if wrap == "block" else [[index] for index in range(len(model))]
+        for unit in units(model, blocks):
+            fully_shard(unit)
+    fully_shard(model, reshard_after_forward=reshard_root)
+    return model, make_optimizer(recipe.optimizer(), model.parameters(), foreach=foreach)
 
 
-def build_model(workload: GPT2Workload, recipe: Recipe) -> torch.nn.Module:
+def fsdp_step(model: torch.nn.Module, workload: Workload, recipe: Recipe) -> tuple[Step, Teardown]:
+    model, optimizer = fsdp_parts(model, workload, recipe)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss(model(x), y).backward()
+        optimizer.step()
+
+    return step, lambda: None
+
+
+STEP_BUILDERS = {"ddp": ddp_step, "zero": zero_step, "fsdp": fsdp_step}
+
+
+def build_model(workload: Workload, recipe: Recipe) -> torch.nn.Module:
     """The kit's model: built under the recipe's model seed, so both sides start from the same weights."""
     seeding.seed_everything(seeding.seed_table(recipe.seed, dist.get_rank())["model_init"])
     return workload.build_model()
@@ -91,12 +128,12 @@ def timed_steps(step: Step, train: torch.utils.data.Dataset, recipe: Recipe, ste
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
-def main(framework: str, out: str, steps: int) -> None:
-    recipe = load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}"])
+def main(framework: str, out: str, steps: int, workload_name: str = "gpt2") -> None:
+    recipe = load_file(recipe_path(workload_name, "smoke"), [f"run.framework={framework}"])
     torch.set_num_threads(1)
     seeding.make_deterministic(on_cuda=False)
     dist.init_process_group("gloo")
-    workload = GPT2Workload(recipe.model, recipe.data, dataset(recipe.data.dataset).locate())
+    workload = registry.workload_class(workload_name)(recipe.model, recipe.data, dataset(recipe.data.dataset).locate())
     step, teardown = STEP_BUILDERS[framework](build_model(workload, recipe), workload, recipe)
     train, _ = workload.datasets()
     started = time.time()
@@ -109,4 +146,4 @@ def main(framework: str, out: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])

@@ -12,9 +12,12 @@ as long for a while (denormal numbers, most likely), at the same step on both si
 train alike.
 What this cannot see, the processes beside the ranks (the follower, torchrun's `--tee`), bench/run.py
 measures as the cores they keep busy. The first pair is warm-up and left out. Rank 0 writes each
-pair's mean step times, and the kit block's own loop time per step (`harness_us`), as JSON.
+pair's mean and median step times, the kit block's own loop time per step (`harness_us`) and the
+load average after the pair, as JSON.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/paired.py ddp OUT.json PAIRS
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/paired.py ddp OUT.json PAIRS [WORKLOAD]
+
+(WORKLOAD: gpt2, the default, or vgg16: each in its smoke recipe.)
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from minimal import STEP_BUILDERS, build_model, timed_steps
 
 from repro import events, loop
+from repro.adapters.fsdp import local
 from repro.data.sets import dataset
 from repro.recipe import load_file, recipe_path
 from repro.runfiles import RunFolder
@@ -49,25 +53,27 @@ def fresh_run(trainer: loop.Trainer, run_dir: Path) -> None:
         trainer.writer = events.EventWriter(RunFolder(run_dir).events_file)
 
 
-def kit_block(trainer: loop.Trainer, run_dir: Path) -> tuple[float, int, float]:
-    """One epoch through the kit's loop: its mean step time, step count and the loop's own time per
-    step in microseconds (`loop_us.harness`; on the reporting rank)."""
+def kit_block(trainer: loop.Trainer, run_dir: Path) -> tuple[float, int, float, float]:
+    """One epoch through the kit's loop: its mean step time, step count, the loop's own time per step in
+    microseconds (`loop_us.harness`) and the median step time (on the reporting rank)."""
     fresh_run(trainer, run_dir)
     trainer.run()
     if not trainer.writer:
-        return 0.0, 0, 0.0
+        return 0.0, 0, 0.0, 0.0
     (epoch,) = [e for e in events.read_all(RunFolder(run_dir).events_file) if e["event"] == events.EPOCH]
-    return epoch["step_s"]["mean"], epoch["step_s"]["count"], epoch["loop_us"]["harness"]
+    return epoch["step_s"]["mean"], epoch["step_s"]["count"], epoch["loop_us"]["harness"], epoch["step_s"]["median"]
 
 
 def weight_difference(kit: torch.nn.Module, baseline: torch.nn.Module) -> float:
-    """The largest difference between two models' parameters: 0.0 where both trained alike."""
-    return max((a.detach() - b.detach()).abs().max().item() for a, b in zip(kit.parameters(), baseline.parameters()))
+    """The largest difference between two models' parameters (this rank's shards of sharded ones, which
+    both sides split alike): 0.0 where both trained alike."""
+    return max((local(a.detach()) - local(b.detach())).abs().max().item()
+               for a, b in zip(kit.parameters(), baseline.parameters()))
 
 
-def main(framework: str, out: str, pairs: int) -> None:
+def main(framework: str, out: str, pairs: int, workload_name: str = "gpt2") -> None:
     world = int(os.environ["WORLD_SIZE"])  # torchrun's
-    recipe = load_file(recipe_path("gpt2", "smoke"), [
+    recipe = load_file(recipe_path(workload_name, "smoke"), [
         f"run.framework={framework}", f"run.gpus={world}", "train.epochs=1", f"data.max_val_samples={VAL_SAMPLES}",
     ])
     run_dir = Path(out).with_suffix(".run")
@@ -85,16 +91,18 @@ def main(framework: str, out: str, pairs: int) -> None:
         pair = {}
         for side in order:
             if side == "kit":
-                pair["kit"], pair["kit_steps"], pair["harness_us"] = kit_block(trainer, run_dir)
+                pair["kit"], pair["kit_steps"], pair["harness_us"], pair["kit_median"] = kit_block(trainer, run_dir)
             else:
-                pair["minimal"] = statistics.fmean(timed_steps(step, trainer.train_set, recipe, block))
-        pair["first"] = order[0]
+                steps_s = timed_steps(step, trainer.train_set, recipe, block)
+                pair["minimal"], pair["minimal_median"] = statistics.fmean(steps_s), statistics.median(steps_s)
+        pair["first"], pair["load"] = order[0], os.getloadavg()[0]
         if index:
             measured.append(pair)
         else:  # the first pair warms both sides up, each one epoch from the same weights on the same batches
             warmed = {"max_weight_difference": weight_difference(trainer.adapter.model, baseline)}
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"framework": framework, "world": world, "steps_per_block": block,
+        Path(out).write_text(json.dumps({"framework": framework, "workload": workload_name, "world": world,
+                                         "steps_per_block": block, "load_average": os.getloadavg(),
                                          "warm_up": warmed, "pairs": measured}))
     dist.barrier()
     teardown()
@@ -103,4 +111,4 @@ def main(framework: str, out: str, pairs: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])

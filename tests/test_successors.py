@@ -47,6 +47,22 @@ def test_balance_minimises_the_heaviest_stage() -> None:
 
 
 @pytest.mark.units
+def test_fsdp_wraps_a_unit_per_block_and_leaves_the_tied_layers_to_the_root() -> None:
+    """VGG-16: its five convolution stages (2, 2, 3, 3, 3 convolutions) and its three linear layers, 8
+    units where a unit per layer made 16; GPT-2: its four transformer blocks, the tied embedding and
+    head left to the root unit (FSDP2 requires a shared parameter to live in one unit)."""
+    from repro.adapters.fsdp import units
+
+    for workload, expected in (("vgg16", [["Conv2d"] * 2] * 2 + [["Conv2d"] * 3] * 3 + [["Linear"]] * 3),
+                               ("gpt2", [["Block"]] * 4)):
+        recipe = load_file(recipe_path(workload, "smoke"), ["run.framework=fsdp"])
+        model = meta_model(recipe)
+        blocks = registry.workload_class(workload)(recipe.model, recipe.data, None).blocks(model)
+        assert sorted(index for block in blocks for index in block) == list(range(len(model)))
+        assert [[type(layer).__name__ for layer in unit] for unit in units(model, blocks)] == expected
+
+
+@pytest.mark.units
 @pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
 def test_the_plan_finds_the_splits_the_adapter_finds(workload: str) -> None:
     """The plan checks a split without torch, from the workload's shape: its layers have parameters

@@ -1,10 +1,13 @@
 """PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`): PyTorch's own fully sharded data parallelism.
 
 Each rank holds 1/N of every parameter, gradient and optimizer state as DTensor shards (the native
-counterpart of ZeRO-3); a layer's parameters are all-gathered just before it runs and its gradients
-reduce-scattered right after. Every layer of the workload's nn.Sequential that owns parameters is
-its own FSDP unit; layers sharing a parameter (GPT-2's head is tied to the token embedding) stay in
-the root unit, because FSDP2 requires a shared parameter to live in one unit.
+counterpart of ZeRO-3); a unit's parameters are all-gathered just before it runs and its gradients
+reduce-scattered right after. Each block of the workload's model (`Workload.blocks`: a GPT-2
+transformer block, a VGG-16 convolution stage or classifier layer) is one FSDP unit, as torchtitan
+wraps a transformer block; layers sharing a parameter (GPT-2's head is tied to the token embedding)
+stay in the root unit, because FSDP2 requires a shared parameter to live in one unit. On CPU every
+unit costs its collectives' latency and its hooks whatever its size (docs/measurement.md "FSDP's
+cost"): VGG-16's 16 layers with parameters were 16 units before, now 8.
 
 Recipe section `fsdp:` chooses the sharding strategy (full: reshard after forward, ZeRO-3;
 grad-op: keep parameters gathered from forward to backward, ZeRO-2-like traffic; hybrid: shard
@@ -38,6 +41,15 @@ def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def units(model: nn.Sequential, blocks: list[list[int]]) -> list[list[nn.Module]]:
+    """The layers each FSDP unit below the root holds: a block's layers with parameters, less those that
+    share a parameter with another layer (left to the root); blocks left empty are dropped."""
+    shared = {index for users in parameter_users(model).values() if len(users) > 1 for index in users}
+    found = [[model[index] for index in block if index not in shared and next(model[index].parameters(), None) is not None]
+             for block in blocks]
+    return [unit for unit in found if unit]
+
+
 class FSDPAdapter(FSDPPlan, Adapter):
     def setup(self, model: nn.Sequential) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -49,12 +61,20 @@ class FSDPAdapter(FSDPPlan, Adapter):
             reduce_dtype=DTYPES[self.options.reduce_dtype],
         )
         settings = {"mesh": self.mesh(), "reshard_after_forward": self.options.sharding != "grad-op", "mp_policy": policy}
-        shared = {index for users in parameter_users(model).values() if len(users) > 1 for index in users}
-        for index, child in enumerate(model):
-            if index not in shared and next(child.parameters(), None) is not None:
-                fully_shard(child, **settings)
+        found = units(model, self.ctx.workload.blocks(model))
+        self.unit_layers = [[type(layer).__name__ for layer in unit] for unit in found]  # before FSDP renames them
+        for unit in found:
+            fully_shard(unit, **settings)
         self.model = fully_shard(model, **settings)
-        self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())
+        # The multi-tensor path (foreach): on CPU torch's optimizers default to a loop over the
+        # parameters, and each of its operations on a DTensor passes DTensor's dispatch in Python;
+        # foreach takes a few operations for all of them. Same arithmetic, bit for bit (docs/measurement.md
+        # "FSDP's cost"); not for timm's LAMB, whose foreach path rounds differently (repro.optim).
+        self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters(), foreach=True)
+
+    def facts(self) -> dict[str, Any]:
+        """The units below the root, each as the types of its layers with parameters."""
+        return {"units": self.unit_layers}
 
     def mesh(self) -> Any:
         """1-D mesh over all ranks, or (replicate, shard) for hybrid sharding."""

@@ -26,6 +26,13 @@ class Workload(WorkloadPlan):
     def build_model(self) -> nn.Sequential:
         raise NotImplementedError
 
+    def blocks(self, model: nn.Sequential) -> list[list[int]]:
+        """The model's layers grouped into the architecture's blocks, as indices in order (a
+        transformer block, a convolution stage): what a framework that treats the model block by block
+        takes as its units (FSDP2 gathers and reduces each unit's parameters at once). Default: each
+        layer a block of its own."""
+        return [[index] for index in range(len(model))]
+
     def datasets(self) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
         """(train, validation): the real data, or random samples of the same shapes for `synthetic`."""
         if self.data.dataset == SYNTHETIC:

@@ -65,6 +65,18 @@ class VGG16Workload(VGG16Plan, Workload):
     def build_model(self) -> nn.Sequential:
         return build_vgg16(self.spec, self.num_classes)
 
+    def blocks(self, model: nn.Sequential) -> list[list[int]]:
+        """VGG's own blocks (Simonyan and Zisserman 2015, table 1): each stage of convolutions up to its
+        max-pool, then the classifier's layers one by one (a linear layer with its ReLU and dropout)."""
+        blocks: list[list[int]] = [[]]
+        for index, layer in enumerate(model):
+            if isinstance(layer, nn.Linear) and blocks[-1]:
+                blocks.append([])
+            blocks[-1].append(index)
+            if isinstance(layer, nn.MaxPool2d):
+                blocks.append([])
+        return [block for block in blocks if block]
+
     def _transforms(self, train: bool) -> transforms.Compose:
         normalize = transforms.Normalize(*NORMALIZE[self.data.dataset])
         size = self.spec.image_size
