@@ -28,8 +28,10 @@ def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", 
     optimizer = section.get("optimizer") or train["optimizer"]
     options = {**section, "grad_clip": train.get("grad_clip"), "momentum": optimizer.get("momentum", 0.9),
                "weight_decay": optimizer.get("weight_decay", 0.0)}
-    return costmodel.Cell(shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"]), framework, gpus,
-                          train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"), options)
+    shape = shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"])
+    recomputed = (train.get("recompute_layers") or len(shape.blocks())) if train.get("recompute") == "full" else 0
+    return costmodel.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"),
+                          options, micro_batch=train.get("micro_batch"), recomputed=recomputed)
 
 
 def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costmodel.Prediction | None:
