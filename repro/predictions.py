@@ -7,11 +7,12 @@ paths are unchecked until a GPU run.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Iterator, Sequence
 
 import yaml
 
-from repro import costmodel
+from repro import costmodel, registry
 from repro.recipe import recipe_path
 from repro.shapes import shape_of
 
@@ -70,6 +71,89 @@ def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", m
         return predict(workload, row.framework, gpus, scale, row.overrides(gpus, plan.tp_per_node or plan.gpus_per_node))
     except (ValueError, ZeroDivisionError):
         return None
+
+
+# The recompute modes the model can express (Cell.recomputed: whole blocks under torch.utils.checkpoint);
+# a plan's other modes (megatron-core's selective) are not searched until the model has their terms.
+MODELLED_RECOMPUTE = ("full",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """How a cell fits a device's memory (`fit`): the --set overrides chosen (empty: as written) and the
+    predicted bytes per GPU under them (Prediction.fit_bytes), or why nothing the framework applies fits."""
+
+    sets: tuple[str, ...]
+    peak: int | None  # None: nothing fits
+    as_written: int
+    why_not: str = ""
+
+    def setting(self) -> str:
+        """The chosen setting as command-line options, or "as written"."""
+        return " ".join(f"--set {text}" for text in self.sets) or "as written"
+
+
+def fit(cell: costmodel.Cell, capacity: float) -> Fit:
+    """The least recompute, then the largest micro-batch, under which `cell`'s predicted peak per GPU is at
+    most `capacity` bytes, trying only what the cell's framework applies (its plan's recompute_modes and
+    accumulates). Recompute runs each recomputed block's forward again, so no recompute with micro-batches
+    comes first, then recompute of the fewest blocks (from the first), each with the largest micro-batch."""
+    plan = registry.plan_class(cell.framework)
+    as_written = costmodel.predict(cell).fit_bytes
+    if as_written <= capacity:
+        return Fit((), as_written, as_written)
+    if not plan.accumulates and not set(plan.recompute_modes) & set(MODELLED_RECOMPUTE):
+        return Fit((), None, as_written, f"train.recompute and train.micro_batch refused: "
+                                        f"{plan.memory_settings_refused_because}")
+    least = None
+    for candidate in candidates(cell, plan):
+        peak = costmodel.predict(candidate).fit_bytes
+        if peak <= capacity:
+            return Fit(overrides(cell, candidate), peak, as_written)
+        least = min(least or (peak, candidate), (peak, candidate), key=lambda pair: pair[0])
+    peak, smallest = least
+    return Fit((), None, as_written, f"over even with {Fit(overrides(cell, smallest), peak, as_written).setting()}: "
+                                     f"{peak / 2**30:.2f} GiB")
+
+
+def candidates(cell: costmodel.Cell, plan: type) -> Iterator[costmodel.Cell]:
+    """`cell` under each memory setting `plan` applies, in `fit`'s order of preference."""
+    batch = cell.batch_per_gpu
+    micro = [m for m in range(batch, 0, -1) if batch % m == 0] if plan.accumulates else [cell.micro_batch or batch]
+    blocks = len(cell.shape.blocks()) if set(plan.recompute_modes) & set(MODELLED_RECOMPUTE) else 0
+    for recomputed in range(blocks + 1):
+        for size in micro:
+            yield dataclasses.replace(cell, recomputed=recomputed, micro_batch=None if size == batch else size)
+
+
+def overrides(start: costmodel.Cell, chosen: costmodel.Cell) -> tuple[str, ...]:
+    """The --set overrides that turn the recipe of `start` into that of `chosen` (same cell otherwise)."""
+    sets, blocks, batch = [], len(start.shape.blocks()), start.batch_per_gpu
+    if chosen.recomputed != start.recomputed:
+        if not chosen.recomputed:  # the recipe recomputes: undo it, with its recompute_layers if it has one
+            sets += ["train.recompute=none", "train.recompute_layers=null"]
+        else:
+            sets.append("train.recompute=full")
+            if chosen.recomputed < blocks or 0 < start.recomputed < blocks:
+                sets.append(f"train.recompute_layers={chosen.recomputed}")
+    if (chosen.micro_batch or batch) != (start.micro_batch or batch):
+        sets.append(f"train.micro_batch={chosen.micro_batch or batch}")
+    return tuple(sets)
+
+
+def matrix_fits(workload: str, capacity: float, scale: str = "paper") -> list[dict[str, Any]]:
+    """`fit` for every modelled Table 2 cell of `workload` at `scale`: row name, framework, GPUs, Fit."""
+    from repro.table2 import load_matrix
+
+    matrix = load_matrix()
+    plan = matrix.scales[scale]
+    out = []
+    for entry in matrix_predictions(workload, scale):
+        row = next(row for row in matrix.rows if row.name == entry["row"])
+        sets = row.overrides(entry["gpus"], plan.tp_per_node or plan.gpus_per_node)
+        cell = recipe_cell(workload, row.framework, entry["gpus"], scale, sets)
+        out.append({**entry, "fit": fit(cell, capacity)})
+    return out
 
 
 def zero_saving(workload: str, gpus: int, scale: str = "paper") -> tuple[float, float | None] | None:
