@@ -8,7 +8,7 @@ paths are unchecked until a GPU run.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import yaml
 
@@ -102,28 +102,54 @@ def fit(cell: costmodel.Cell, capacity: float) -> Fit:
     as_written = costmodel.predict(cell).fit_bytes
     if as_written <= capacity:
         return Fit((), as_written, as_written)
-    if not plan.accumulates and not set(plan.recompute_modes) & set(MODELLED_RECOMPUTE):
+    recomputes = bool(set(plan.recompute_modes) & set(MODELLED_RECOMPUTE))
+    if not plan.accumulates and not recomputes:
         return Fit((), None, as_written, f"train.recompute and train.micro_batch refused: "
                                         f"{plan.memory_settings_refused_because}")
-    least = None
-    for candidate in candidates(cell, plan):
-        peak = costmodel.predict(candidate).fit_bytes
+    # no setting lowers model state (micro-batches only add ZeRO-2's accumulated partition): checked first,
+    # so a cell of 10^8 layers is neither listed nor searched block by block
+    state = costmodel.predict(dataclasses.replace(cell, micro_batch=None, recomputed=0)).model_state
+    if state > capacity:
+        return Fit((), None, as_written, f"over even with every setting: model state alone is {state / 2**30:.2f} GiB")
+    blocks = len(cell.shape.blocks()) if recomputes else 0
+    micro = micro_batches(cell, plan)
+    recomputed = least_recompute(cell, micro[-1], blocks, capacity)
+    for size in micro if recomputed is not None else ():
+        chosen = dataclasses.replace(cell, recomputed=recomputed, micro_batch=size)
+        peak = costmodel.predict(chosen).fit_bytes
         if peak <= capacity:
-            return Fit(overrides(cell, candidate), peak, as_written)
-        least = min(least or (peak, candidate), (peak, candidate), key=lambda pair: pair[0])
-    peak, smallest = least
+            return Fit(overrides(cell, chosen), peak, as_written)
+    smallest = dataclasses.replace(cell, recomputed=blocks, micro_batch=micro[-1])
+    peak = costmodel.predict(smallest).fit_bytes
     return Fit((), None, as_written, f"over even with {Fit(overrides(cell, smallest), peak, as_written).setting()}: "
                                      f"{peak / 2**30:.2f} GiB")
 
 
-def candidates(cell: costmodel.Cell, plan: type) -> Iterator[costmodel.Cell]:
-    """`cell` under each memory setting `plan` applies, in `fit`'s order of preference."""
+def micro_batches(cell: costmodel.Cell, plan: type) -> list[int | None]:
+    """The micro-batch sizes `plan` can train `cell` with, largest first (None: the whole batch in one pass)."""
     batch = cell.batch_per_gpu
-    micro = [m for m in range(batch, 0, -1) if batch % m == 0] if plan.accumulates else [cell.micro_batch or batch]
-    blocks = len(cell.shape.blocks()) if set(plan.recompute_modes) & set(MODELLED_RECOMPUTE) else 0
-    for recomputed in range(blocks + 1):
-        for size in micro:
-            yield dataclasses.replace(cell, recomputed=recomputed, micro_batch=None if size == batch else size)
+    if not plan.accumulates:
+        return [cell.micro_batch]
+    return [None if m == batch else m for m in range(batch, 0, -1) if batch % m == 0]
+
+
+def least_recompute(cell: costmodel.Cell, micro_batch: int | None, blocks: int, capacity: float) -> int | None:
+    """The fewest blocks recomputed (0 to `blocks`) under which `cell` at its smallest micro-batch fits
+    `capacity` (None: not even all). Bisection: the peak falls as more blocks are recomputed, each keeping
+    its input alone instead of its whole set, and the recomputed one's set once (docs/memory.md)."""
+    def fits(recomputed: int) -> bool:
+        candidate = dataclasses.replace(cell, recomputed=recomputed, micro_batch=micro_batch)
+        return costmodel.predict(candidate).fit_bytes <= capacity
+
+    if fits(0):
+        return 0
+    if not blocks or not fits(blocks):
+        return None
+    low, high = 0, blocks  # low does not fit, high does
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
 
 
 def overrides(start: costmodel.Cell, chosen: costmodel.Cell) -> tuple[str, ...]:
