@@ -208,7 +208,8 @@ def print_fits(workloads: tuple[str, ...], scale: str, name: str, size: float) -
             note = "" if entry["prediction"].estimated_peak is not None else " (by model state: activations not predicted)"
             click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{fit.as_written / 2**30:>9.2f}{peak:>9}  "
                        f"{fit.why_not or fit.setting()}{note}")
-        fitted = [entry["fit"] for entry in fits if entry["fit"].peak is not None]
-        written = sum(1 for fit in fitted if not fit.sets)
-        click.echo(f"  {len(fitted)} of {len(fits)} cells fit {name}: {written} as written, "
-                   f"{len(fitted) - written} with a setting")
+        fitted = [entry for entry in fits if entry["fit"].peak is not None]
+        written = sum(1 for entry in fitted if not entry["fit"].sets)
+        by_state = sum(1 for entry in fitted if entry["prediction"].estimated_peak is None)
+        click.echo(f"  {len(fitted)} of {len(fits)} cells fit {name}: {written} as written, {len(fitted) - written} "
+                   f"with a setting{f'; {by_state} of them by model state alone' if by_state else ''}")
