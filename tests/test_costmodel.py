@@ -515,3 +515,16 @@ def test_predict_fit_prints_each_cells_setting_and_how_many_fit_without_torch():
                          f"as written, {sum(bool(f.sets) for f in chosen.values())} with a setting; {torchgpipe} of them by model state alone")
     bad = subprocess.run([sys.executable, "-m", "repro.cli", "predict", "--fit", "V100"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "--fit: 'V100' is not [NAME=]SIZE in GiB" in bad.stderr and "V100-16GB" in bad.stderr
+
+
+@pytest.mark.units
+@pytest.mark.parametrize("device", ["V100-16GB", "A100-40GB"])
+def test_docs_quote_predict_fit_as_it_prints(device):
+    """docs/memory.md ("Fitting a device") quotes predict --fit for GPT-2 at paper scale verbatim: a change
+    to the model or the search that moves a figure must move the quote too."""
+    command = f"$ repro predict --model gpt2 --fit {device}\n"
+    docs = (REPO / "docs" / "memory.md").read_text()
+    quoted = docs[docs.index(command) + len(command):].split("```", 1)[0]
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "predict", "--model", "gpt2", "--fit", device], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert quoted == out
