@@ -197,9 +197,10 @@ def print_fits(workloads: tuple[str, ...], scale: str, name: str, size: float) -
     """`repro predict --fit`: per cell, the setting chosen (repro.predictions.fit) and its predicted peak."""
     from repro.predictions import matrix_fits
 
+    label = name if name.lower().endswith("gib") else f"{name} ({size:g} GiB)"
     for workload in workloads:
-        click.echo(f"{workload}, {scale} scale, fitted to {name}{'' if name.lower().endswith('gib') else f' ({size:g} GiB)'}: peak per GPU, GiB, as written and "
-                   "under the least recompute, then the largest micro-batch, that fits")
+        click.echo(f"{workload}, {scale} scale, fitted to {label}: peak per GPU, GiB, as written and under the least "
+                   "recompute, then the largest micro-batch, that fits")
         click.echo(f"  {'row':<16}{'gpus':>5}{'written':>9}{'fitted':>9}  setting")
         fits = matrix_fits(workload, size * 2**30, scale)
         for entry in fits:

@@ -44,22 +44,24 @@ def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets
 
 
 def matrix_predictions(workload: str, scale: str = "paper") -> list[dict[str, Any]]:
-    """One row per modelled Table 2 cell of `workload` at `scale`: row name, GPUs and the prediction."""
+    """One row per modelled Table 2 cell of `workload` at `scale`: row name, framework, GPUs, the model's
+    cell and its prediction."""
     from repro.table2 import load_matrix
 
     matrix = load_matrix()
     out = []
     for row in matrix.rows:
         for gpus in matrix.scales[scale].gpus:
-            prediction = predict_row(workload, row.name, gpus, scale, matrix)
+            cell = row_cell(workload, row.name, gpus, scale, matrix)
+            prediction = predict_row(workload, row.name, gpus, scale, matrix, cell)
             if prediction is not None:
-                out.append({"row": row.name, "framework": row.framework, "gpus": gpus, "prediction": prediction})
+                out.append({"row": row.name, "framework": row.framework, "gpus": gpus, "cell": cell,
+                            "prediction": prediction})
     return out
 
 
-def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None) -> costmodel.Prediction | None:
-    """The model's prediction for a Table 2 row's cell at `scale` (None: not modelled, or the row's
-    settings do not split `gpus`, such as tp=4 on 2 GPUs); `matrix`: table2.yaml, loaded if not given."""
+def row_cell(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None) -> costmodel.Cell | None:
+    """The model's cell of a Table 2 row at `gpus` (None: no such row); `matrix`: table2.yaml, loaded if not given."""
     from repro.table2 import load_matrix
 
     matrix = matrix or load_matrix()
@@ -67,9 +69,18 @@ def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", m
     row = {row.name: row for row in matrix.rows}.get(row_name)
     if row is None:
         return None
+    return recipe_cell(workload, row.framework, gpus, scale, row.overrides(gpus, plan.tp_per_node or plan.gpus_per_node))
+
+
+def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None,
+                cell: costmodel.Cell | None = None) -> costmodel.Prediction | None:
+    """The model's prediction for a Table 2 row's cell at `scale` (None: not modelled, or the row's
+    settings do not split `gpus`, such as tp=4 on 2 GPUs); `matrix`: table2.yaml, loaded if not given;
+    `cell`: the row's, where the caller has it."""
+    cell = cell or row_cell(workload, row_name, gpus, scale, matrix)
     try:
-        return predict(workload, row.framework, gpus, scale, row.overrides(gpus, plan.tp_per_node or plan.gpus_per_node))
-    except (ValueError, ZeroDivisionError):
+        return None if cell is None else costmodel.predict(cell)
+    except (KeyError, ValueError, ZeroDivisionError):
         return None
 
 
@@ -90,7 +101,11 @@ class Fit:
 
     def setting(self) -> str:
         """The chosen setting as command-line options, or "as written"."""
-        return " ".join(f"--set {text}" for text in self.sets) or "as written"
+        return as_options(self.sets) or "as written"
+
+
+def as_options(sets: Sequence[str]) -> str:
+    return " ".join(f"--set {text}" for text in sets)
 
 
 def fit(cell: costmodel.Cell, capacity: float) -> Fit:
@@ -121,8 +136,7 @@ def fit(cell: costmodel.Cell, capacity: float) -> Fit:
             return Fit(overrides(cell, chosen), peak, as_written)
     smallest = dataclasses.replace(cell, recomputed=blocks, micro_batch=micro[-1])
     peak = costmodel.predict(smallest).fit_bytes
-    return Fit((), None, as_written, f"over even with {Fit(overrides(cell, smallest), peak, as_written).setting()}: "
-                                     f"{peak / 2**30:.2f} GiB")
+    return Fit((), None, as_written, f"over even with {as_options(overrides(cell, smallest))}: {peak / 2**30:.2f} GiB")
 
 
 def micro_batches(cell: costmodel.Cell, plan: type) -> list[int | None]:
@@ -168,18 +182,8 @@ def overrides(start: costmodel.Cell, chosen: costmodel.Cell) -> tuple[str, ...]:
 
 
 def matrix_fits(workload: str, capacity: float, scale: str = "paper") -> list[dict[str, Any]]:
-    """`fit` for every modelled Table 2 cell of `workload` at `scale`: row name, framework, GPUs, Fit."""
-    from repro.table2 import load_matrix
-
-    matrix = load_matrix()
-    plan = matrix.scales[scale]
-    out = []
-    for entry in matrix_predictions(workload, scale):
-        row = next(row for row in matrix.rows if row.name == entry["row"])
-        sets = row.overrides(entry["gpus"], plan.tp_per_node or plan.gpus_per_node)
-        cell = recipe_cell(workload, row.framework, entry["gpus"], scale, sets)
-        out.append({**entry, "fit": fit(cell, capacity)})
-    return out
+    """`fit` for every modelled Table 2 cell of `workload` at `scale`: matrix_predictions' rows and the Fit."""
+    return [{**entry, "fit": fit(entry["cell"], capacity)} for entry in matrix_predictions(workload, scale)]
 
 
 def zero_saving(workload: str, gpus: int, scale: str = "paper") -> tuple[float, float | None] | None:
