@@ -120,8 +120,8 @@ def check_memory(recipe: Recipe, options: Launch) -> None:
         return
     from repro import costmodel
 
-    cell = costmodel.cell_of(recipe)
     try:
+        cell = costmodel.cell_of(recipe)
         predicted = costmodel.predict(cell)
     except KeyError:  # no model for this framework or workload: nothing to check against
         return
