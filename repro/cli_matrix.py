@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from repro.cli_base import MODELS, SCALES, fail
+from repro.hardware import GPU_MEMORY_GIB  # torch-free: the device table names --fit's choices
 
 
 @click.command()
@@ -122,7 +123,12 @@ def parity(model: str, scale: str, steps: int, configs: str | None, tracking_uri
 @click.option("--gpu-memory", "gpu_memory", multiple=True, metavar="[NAME=]SIZE",
               help="A device to check fits against, e.g. 16GiB or V100=16GiB (repeatable; default: "
                    "V100-16GB, A100-40GB, H100-80GB, H200-141GB).")
-def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) -> None:
+@click.option("--fit", "fit_device", metavar="DEVICE",
+              help="For each cell, the least recompute and then the largest micro-batch (a divisor of "
+                   "train.batch_per_gpu) under which the predicted peak fits DEVICE: "
+                   f"{', '.join(GPU_MEMORY_GIB)} or [NAME=]SIZE as for --gpu-memory. Recompute runs each recomputed "
+                   "block's forward again, so micro-batches come first; only what the cell's framework applies is tried.")
+def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fit_device: str | None) -> None:
     """Memory per GPU and communication per step of every Table 2 cell, predicted by the cost model.
 
     \b
@@ -136,18 +142,17 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
     Examples:
       repro predict
       repro predict --model gpt2 --gpu-memory 24GiB
+      repro predict --model gpt2 --fit V100-16GB
     """
-    from repro.hardware import GPU_MEMORY_GIB, paper_gpu_memory
+    from repro.hardware import paper_gpu_memory
     from repro.predictions import matrix_predictions, memory_minimum, paper_fit
 
-    devices = dict(GPU_MEMORY_GIB)
-    if gpu_memory:
-        devices = {}
-        for text in gpu_memory:
-            name, _, size = text.rpartition("=")
-            if not size.lower().endswith("gib") or not size[:-3].replace(".", "", 1).isdigit():
-                fail(f"--gpu-memory: {text!r} is not [NAME=]SIZE in GiB, e.g. 16GiB or V100=16GiB")
-            devices[name or size] = float(size[:-3])
+    if fit_device:
+        known = fit_device in GPU_MEMORY_GIB
+        name, size = (fit_device, GPU_MEMORY_GIB[fit_device]) if known else device("--fit", fit_device)
+        return print_fits(models or MODELS, scale, name, size)
+    devices = dict(device("--gpu-memory", text) for text in gpu_memory) or dict(GPU_MEMORY_GIB)
+
     def gib(size: float | None) -> str:
         return "-" if size is None else f"{size / 2**30:.2f}"
 
@@ -177,3 +182,35 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...]) ->
             counts = [g for g, _ in points]
             click.echo(f"    {row} at {counts[0]}{f'-{counts[-1]} GPUs' if len(counts) > 1 else ' GPU'}, most at {gpus} "
                        f"({gib(worst.estimated_peak)} GiB): {paper_fit(worst.estimated_peak, worst.model_state)}")
+
+
+def device(option: str, text: str) -> tuple[str, float]:
+    """A device given as [NAME=]SIZE in GiB: (its name, or the size as written; GiB)."""
+    name, _, size = text.rpartition("=")
+    if not size.lower().endswith("gib") or not size[:-3].replace(".", "", 1).isdigit():
+        fail(f"{option}: {text!r} is not [NAME=]SIZE in GiB, e.g. 16GiB or V100=16GiB"
+             + (f", or one of {', '.join(GPU_MEMORY_GIB)}" if option == "--fit" else ""))
+    return name or size, float(size[:-3])
+
+
+def print_fits(workloads: tuple[str, ...], scale: str, name: str, size: float) -> None:
+    """`repro predict --fit`: per cell, the setting chosen (repro.predictions.fit) and its predicted peak."""
+    from repro.predictions import matrix_fits
+
+    label = name if name.lower().endswith("gib") else f"{name} ({size:g} GiB)"
+    for workload in workloads:
+        click.echo(f"{workload}, {scale} scale, fitted to {label}: peak per GPU, GiB, as written and under the least "
+                   "recompute, then the largest micro-batch, that fits")
+        click.echo(f"  {'row':<16}{'gpus':>5}{'written':>9}{'fitted':>9}  setting")
+        fits = matrix_fits(workload, size * 2**30, scale)
+        for entry in fits:
+            fit = entry["fit"]
+            peak = "-" if fit.peak is None else f"{fit.peak / 2**30:.2f}"
+            note = "" if entry["prediction"].estimated_peak is not None else " (by model state: activations not predicted)"
+            click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{fit.as_written / 2**30:>9.2f}{peak:>9}  "
+                       f"{fit.why_not or fit.setting()}{note}")
+        fitted = [entry for entry in fits if entry["fit"].peak is not None]
+        written = sum(1 for entry in fitted if not entry["fit"].sets)
+        by_state = sum(1 for entry in fitted if entry["prediction"].estimated_peak is None)
+        click.echo(f"  {len(fitted)} of {len(fits)} cells fit {name}: {written} as written, {len(fitted) - written} "
+                   f"with a setting{f'; {by_state} of them by model state alone' if by_state else ''}")

@@ -7,11 +7,12 @@ paths are unchecked until a GPU run.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import yaml
 
-from repro import costmodel
+from repro import costmodel, registry
 from repro.recipe import recipe_path
 from repro.shapes import shape_of
 
@@ -28,8 +29,10 @@ def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", 
     optimizer = section.get("optimizer") or train["optimizer"]
     options = {**section, "grad_clip": train.get("grad_clip"), "momentum": optimizer.get("momentum", 0.9),
                "weight_decay": optimizer.get("weight_decay", 0.0)}
-    return costmodel.Cell(shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"]), framework, gpus,
-                          train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"), options)
+    shape = shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"])
+    recomputed = (train.get("recompute_layers") or len(shape.blocks())) if train.get("recompute") == "full" else 0
+    return costmodel.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"),
+                          options, micro_batch=train.get("micro_batch"), recomputed=recomputed)
 
 
 def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costmodel.Prediction | None:
@@ -41,22 +44,24 @@ def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets
 
 
 def matrix_predictions(workload: str, scale: str = "paper") -> list[dict[str, Any]]:
-    """One row per modelled Table 2 cell of `workload` at `scale`: row name, GPUs and the prediction."""
+    """One row per modelled Table 2 cell of `workload` at `scale`: row name, framework, GPUs, the model's
+    cell and its prediction."""
     from repro.table2 import load_matrix
 
     matrix = load_matrix()
     out = []
     for row in matrix.rows:
         for gpus in matrix.scales[scale].gpus:
-            prediction = predict_row(workload, row.name, gpus, scale, matrix)
+            cell = row_cell(workload, row.name, gpus, scale, matrix)
+            prediction = predict_row(workload, row.name, gpus, scale, matrix, cell)
             if prediction is not None:
-                out.append({"row": row.name, "framework": row.framework, "gpus": gpus, "prediction": prediction})
+                out.append({"row": row.name, "framework": row.framework, "gpus": gpus, "cell": cell,
+                            "prediction": prediction})
     return out
 
 
-def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None) -> costmodel.Prediction | None:
-    """The model's prediction for a Table 2 row's cell at `scale` (None: not modelled, or the row's
-    settings do not split `gpus`, such as tp=4 on 2 GPUs); `matrix`: table2.yaml, loaded if not given."""
+def row_cell(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None) -> costmodel.Cell | None:
+    """The model's cell of a Table 2 row at `gpus` (None: no such row); `matrix`: table2.yaml, loaded if not given."""
     from repro.table2 import load_matrix
 
     matrix = matrix or load_matrix()
@@ -64,10 +69,121 @@ def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", m
     row = {row.name: row for row in matrix.rows}.get(row_name)
     if row is None:
         return None
+    return recipe_cell(workload, row.framework, gpus, scale, row.overrides(gpus, plan.tp_per_node or plan.gpus_per_node))
+
+
+def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None,
+                cell: costmodel.Cell | None = None) -> costmodel.Prediction | None:
+    """The model's prediction for a Table 2 row's cell at `scale` (None: not modelled, or the row's
+    settings do not split `gpus`, such as tp=4 on 2 GPUs); `matrix`: table2.yaml, loaded if not given;
+    `cell`: the row's, where the caller has it."""
+    cell = cell or row_cell(workload, row_name, gpus, scale, matrix)
     try:
-        return predict(workload, row.framework, gpus, scale, row.overrides(gpus, plan.tp_per_node or plan.gpus_per_node))
-    except (ValueError, ZeroDivisionError):
+        return None if cell is None else costmodel.predict(cell)
+    except (KeyError, ValueError, ZeroDivisionError):
         return None
+
+
+# The recompute modes the model can express (Cell.recomputed: whole blocks under torch.utils.checkpoint);
+# a plan's other modes (megatron-core's selective) are not searched until the model has their terms.
+MODELLED_RECOMPUTE = ("full",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """How a cell fits a device's memory (`fit`): the --set overrides chosen (empty: as written) and the
+    predicted bytes per GPU under them (Prediction.fit_bytes), or why nothing the framework applies fits."""
+
+    sets: tuple[str, ...]
+    peak: int | None  # None: nothing fits
+    as_written: int
+    why_not: str = ""
+
+    def setting(self) -> str:
+        """The chosen setting as command-line options, or "as written"."""
+        return as_options(self.sets) or "as written"
+
+
+def as_options(sets: Sequence[str]) -> str:
+    return " ".join(f"--set {text}" for text in sets)
+
+
+def fit(cell: costmodel.Cell, capacity: float) -> Fit:
+    """The least recompute, then the largest micro-batch, under which `cell`'s predicted peak per GPU is at
+    most `capacity` bytes, trying only what the cell's framework applies (its plan's recompute_modes and
+    accumulates). Recompute runs each recomputed block's forward again, so no recompute with micro-batches
+    comes first, then recompute of the fewest blocks (from the first), each with the largest micro-batch."""
+    plan = registry.plan_class(cell.framework)
+    as_written = costmodel.predict(cell).fit_bytes
+    if as_written <= capacity:
+        return Fit((), as_written, as_written)
+    recomputes = bool(set(plan.recompute_modes) & set(MODELLED_RECOMPUTE))
+    if not plan.accumulates and not recomputes:
+        return Fit((), None, as_written, f"train.recompute and train.micro_batch refused: "
+                                        f"{plan.memory_settings_refused_because}")
+    # no setting lowers model state (micro-batches only add ZeRO-2's accumulated partition): checked first,
+    # so a cell of 10^8 layers is neither listed nor searched block by block
+    state = costmodel.predict(dataclasses.replace(cell, micro_batch=None, recomputed=0)).model_state
+    if state > capacity:
+        return Fit((), None, as_written, f"over even with every setting: model state alone is {state / 2**30:.2f} GiB")
+    blocks = len(cell.shape.blocks()) if recomputes else 0
+    micro = micro_batches(cell, plan)
+    recomputed = least_recompute(cell, micro[-1], blocks, capacity)
+    for size in micro if recomputed is not None else ():
+        chosen = dataclasses.replace(cell, recomputed=recomputed, micro_batch=size)
+        peak = costmodel.predict(chosen).fit_bytes
+        if peak <= capacity:
+            return Fit(overrides(cell, chosen), peak, as_written)
+    smallest = dataclasses.replace(cell, recomputed=blocks, micro_batch=micro[-1])
+    peak = costmodel.predict(smallest).fit_bytes
+    return Fit((), None, as_written, f"over even with {as_options(overrides(cell, smallest))}: {peak / 2**30:.2f} GiB")
+
+
+def micro_batches(cell: costmodel.Cell, plan: type) -> list[int | None]:
+    """The micro-batch sizes `plan` can train `cell` with, largest first (None: the whole batch in one pass)."""
+    batch = cell.batch_per_gpu
+    if not plan.accumulates:
+        return [cell.micro_batch]
+    return [None if m == batch else m for m in range(batch, 0, -1) if batch % m == 0]
+
+
+def least_recompute(cell: costmodel.Cell, micro_batch: int | None, blocks: int, capacity: float) -> int | None:
+    """The fewest blocks recomputed (0 to `blocks`) under which `cell` at its smallest micro-batch fits
+    `capacity` (None: not even all). Bisection: the peak falls as more blocks are recomputed, each keeping
+    its input alone instead of its whole set, and the recomputed one's set once (docs/memory.md)."""
+    def fits(recomputed: int) -> bool:
+        candidate = dataclasses.replace(cell, recomputed=recomputed, micro_batch=micro_batch)
+        return costmodel.predict(candidate).fit_bytes <= capacity
+
+    if fits(0):
+        return 0
+    if not blocks or not fits(blocks):
+        return None
+    low, high = 0, blocks  # low does not fit, high does
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
+
+
+def overrides(start: costmodel.Cell, chosen: costmodel.Cell) -> tuple[str, ...]:
+    """The --set overrides that turn the recipe of `start` into that of `chosen` (same cell otherwise)."""
+    sets, blocks, batch = [], len(start.shape.blocks()), start.batch_per_gpu
+    if chosen.recomputed != start.recomputed:
+        if not chosen.recomputed:  # the recipe recomputes: undo it, with its recompute_layers if it has one
+            sets += ["train.recompute=none", "train.recompute_layers=null"]
+        else:
+            sets.append("train.recompute=full")
+            if chosen.recomputed < blocks or 0 < start.recomputed < blocks:
+                sets.append(f"train.recompute_layers={chosen.recomputed}")
+    if (chosen.micro_batch or batch) != (start.micro_batch or batch):
+        sets.append(f"train.micro_batch={chosen.micro_batch or batch}")
+    return tuple(sets)
+
+
+def matrix_fits(workload: str, capacity: float, scale: str = "paper") -> list[dict[str, Any]]:
+    """`fit` for every modelled Table 2 cell of `workload` at `scale`: matrix_predictions' rows and the Fit."""
+    return [{**entry, "fit": fit(entry["cell"], capacity)} for entry in matrix_predictions(workload, scale)]
 
 
 def zero_saving(workload: str, gpus: int, scale: str = "paper") -> tuple[float, float | None] | None:

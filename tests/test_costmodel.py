@@ -21,6 +21,7 @@ import ranks
 from conftest import REPO, Repro
 from repro import costmodel, events
 from repro.adapters.torch_pipeline import stage_starts
+from repro.predictions import Fit
 from repro.recipe import Recipe, load_file, recipe_path, resolve
 from repro.runfiles import RUN_FILE
 from repro.shapes import GPT2Shape, VGG16Shape, parameters, tensors
@@ -405,3 +406,125 @@ def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
     assert peaks[1] < peaks[2] < peaks[16]  # the tp group's batch grows with tp; the split terms do not shrink per rank
     assert "lowest at 1 GPU (no U: rises from 1 to 16 GPUs" in gpt2 and f"16 GPUs {peaks[16] / 2**20:.2f} MiB" in gpt2
     assert "predicted by the cost model" in gpt2 and "not modelled for this workload" in vgg16
+
+
+# -- repro predict --fit and the setting a refusal names (issue 39) --------------------------------------
+GIB = 2**30
+
+
+def paper_peak(workload: str, framework: str, gpus: int, *sets: str) -> int:
+    """The model's peak per GPU for a paper recipe with `sets` applied, through the recipe (load_file,
+    cell_of) rather than predict --fit's own path (predictions.recipe_cell)."""
+    recipe = load_file(recipe_path(workload, "paper"), [f"run.framework={framework}", f"run.gpus={gpus}", *sets])
+    return costmodel.predict(costmodel.cell_of(recipe)).fit_bytes
+
+
+def fits(workload: str, size_gib: float) -> dict[tuple[str, int], Fit]:
+    """predict --fit's choice for every cell of `workload` at paper scale, by (row, GPUs)."""
+    from repro.predictions import matrix_fits
+
+    return {(entry["row"], entry["gpus"]): entry["fit"] for entry in matrix_fits(workload, size_gib * GIB)}
+
+
+@pytest.mark.units
+def test_fit_chooses_micro_batches_before_recompute_with_the_models_peak_for_the_recipe_with_it():
+    """GPT-2-medium at paper scale on a V100-16GB: DDP fits with micro-batches of 8 (16 does not), though full
+    recompute alone would fit too (recompute costs a forward again); ZeRO-2 at 1 GPU needs 4, its accumulated
+    partition (4 Psi bytes more with k > 1) pushing 8 over. On an A100-40GB DDP fits as written."""
+    v100 = fits("gpt2", 16)
+    for gpus in (1, 64):
+        chosen = v100[("ddp", gpus)]
+        assert chosen.sets == ("train.micro_batch=8",) and chosen.setting() == "--set train.micro_batch=8"
+        assert chosen.peak == paper_peak("gpt2", "ddp", gpus, "train.micro_batch=8")
+        assert round(chosen.peak / GIB, 2) == 14.56 and round(chosen.as_written / GIB, 2) == 38.43
+    assert paper_peak("gpt2", "ddp", 1, "train.micro_batch=16") > 16 * GIB
+    assert paper_peak("gpt2", "ddp", 1, "train.recompute=full") <= 16 * GIB
+    zero = v100[("zero", 1)]
+    assert zero.sets == ("train.micro_batch=4",) and zero.peak == paper_peak("gpt2", "zero", 1, "train.micro_batch=4")
+    assert paper_peak("gpt2", "zero", 1, "train.micro_batch=8") > 16 * GIB
+    a100 = fits("gpt2", 40)[("ddp", 1)]
+    assert a100.sets == () and a100.peak == a100.as_written == paper_peak("gpt2", "ddp", 1)
+
+
+@pytest.mark.units
+def test_fit_recomputes_the_fewest_blocks_and_says_why_a_cell_cannot_fit():
+    """At 7 GiB DDP needs micro-batches of 1 and 20 of GPT-2-medium's 24 blocks recomputed (19 do not fit);
+    ZeRO-2 at 1 GPU does not fit even with all of it, and says its smallest peak; Megatron and PipeDream
+    apply no memory setting and say why."""
+    small = fits("gpt2", 7)
+    ddp = small[("ddp", 1)]
+    sets = ("train.recompute=full", "train.recompute_layers=20", "train.micro_batch=1")
+    assert ddp.sets == sets and ddp.peak == paper_peak("gpt2", "ddp", 1, *sets) <= 7 * GIB
+    assert paper_peak("gpt2", "ddp", 1, "train.recompute=full", "train.recompute_layers=19", "train.micro_batch=1") > 7 * GIB
+    zero = small[("zero", 1)]
+    smallest = paper_peak("gpt2", "zero", 1, "train.recompute=full", "train.micro_batch=1")
+    assert zero.peak is None and zero.why_not == (
+        f"over even with --set train.recompute=full --set train.micro_batch=1: {smallest / GIB:.2f} GiB")
+    assert smallest > 7 * GIB
+    megatron, pipedream = small[("megatron-data", 1)], small[("pipedream", 2)]
+    assert megatron.peak is None and megatron.why_not == "train.recompute and train.micro_batch refused: not yet applied by the kit"
+    assert pipedream.why_not.startswith("train.recompute and train.micro_batch refused: PipeDream has no such mechanism")
+
+
+@pytest.mark.units
+@pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
+def test_fits_bisection_finds_what_the_whole_search_finds(workload):
+    """fit bisects the number of recomputed blocks, assuming the peak falls as more are recomputed: on the
+    paper shapes, at sizes from tight to loose, it chooses what trying every setting in order chooses."""
+    from repro import registry
+    from repro.predictions import fit, micro_batches, overrides, recipe_cell
+
+    for framework in ("ddp", "zero"):
+        cell = recipe_cell(workload, framework, 2)
+        every = [dataclasses.replace(cell, recomputed=n, micro_batch=m) for n in range(len(cell.shape.blocks()) + 1)
+                 for m in micro_batches(cell, registry.plan_class(framework))]
+        peaks = [costmodel.predict(candidate).fit_bytes for candidate in every]
+        for size in sorted(set(peaks))[:: max(1, len(set(peaks)) // 12)]:
+            first = next(candidate for candidate, peak in zip(every, peaks) if peak <= size)
+            chosen = fit(cell, size)
+            assert (chosen.sets, chosen.peak) == (overrides(cell, first), costmodel.predict(first).fit_bytes), (framework, size)
+
+
+@pytest.mark.units
+def test_fit_undoes_what_the_recipe_already_sets():
+    """From a recipe that recomputes 2 blocks at micro-batches of 16, the chosen --set list, applied on top
+    of it, gives the chosen peak: the overrides are relative to the recipe, not to the paper's."""
+    from repro.predictions import fit
+
+    written = ("train.recompute=full", "train.recompute_layers=2", "train.micro_batch=16")
+    recipe = load_file(recipe_path("gpt2", "paper"), ["run.framework=ddp", "run.gpus=1", *written])
+    chosen = fit(costmodel.cell_of(recipe), 16 * GIB)
+    assert chosen.sets == ("train.recompute=none", "train.recompute_layers=null", "train.micro_batch=8")
+    assert chosen.peak == paper_peak("gpt2", "ddp", 1, *written, *chosen.sets)
+
+
+@pytest.mark.units
+def test_predict_fit_prints_each_cells_setting_and_how_many_fit_without_torch():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "repro.cli", "predict", "--model", "gpt2",
+                          "--fit", "V100-16GB"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert "torch" not in {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("gpt2, paper scale, fitted to V100-16GB (16 GiB)")
+    peak = paper_peak("gpt2", "ddp", 8, "train.micro_batch=8")
+    assert f"  {'ddp':<16}{8:>5}{38.43:>9.2f}{peak / GIB:>9.2f}  --set train.micro_batch=8" in lines
+    assert "  megatron-data       1   121.09        -  train.recompute and train.micro_batch refused: not yet applied by the kit" in lines
+    chosen = fits("gpt2", 16)
+    fitted = sum(f.peak is not None for f in chosen.values())
+    torchgpipe = sum(row == "torchgpipe" for row, _ in chosen)  # fits by model state: its GPU activations are not modelled
+    assert lines[-1] == (f"  {fitted} of {len(chosen)} cells fit V100-16GB: {sum(f.peak is not None and not f.sets for f in chosen.values())} "
+                         f"as written, {sum(bool(f.sets) for f in chosen.values())} with a setting; {torchgpipe} of them by model state alone")
+    bad = subprocess.run([sys.executable, "-m", "repro.cli", "predict", "--fit", "V100"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--fit: 'V100' is not [NAME=]SIZE in GiB" in bad.stderr and "V100-16GB" in bad.stderr
+
+
+@pytest.mark.units
+@pytest.mark.parametrize("device", ["V100-16GB", "A100-40GB"])
+def test_docs_quote_predict_fit_as_it_prints(device):
+    """docs/memory.md ("Fitting a device") quotes predict --fit for GPT-2 at paper scale verbatim: a change
+    to the model or the search that moves a figure must move the quote too."""
+    command = f"$ repro predict --model gpt2 --fit {device}\n"
+    docs = (REPO / "docs" / "memory.md").read_text()
+    quoted = docs[docs.index(command) + len(command):].split("```", 1)[0]
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "predict", "--model", "gpt2", "--fit", device], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert quoted == out

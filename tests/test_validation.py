@@ -303,3 +303,25 @@ def test_building_the_ops_ahead_says_why_not_where_this_machine_cannot(monkeypat
     said.clear()
     extensions.build_cpu_extensions(said.append)
     assert said == ["zero: deepspeed.ops.comm.deepspeed_shm_comm_op is installed prebuilt"]
+
+
+def test_a_run_over_its_gpus_memory_is_refused_naming_the_setting_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2-medium under DDP at paper scale needs 38.4 GiB per GPU as written: on a V100-16GB the refusal
+    names micro-batches of 8 (no recompute needed), with the model's peak for the recipe with that --set
+    applied; Megatron applies no memory setting yet, so its refusal names none."""
+    from repro import costmodel
+
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 1)
+    monkeypatch.setattr(hardware, "gpu_memory_bytes", lambda: 16 * 2**30)
+    paper = recipe_path("gpt2", "paper")
+    with pytest.raises(LaunchError) as refused:
+        preflight.check_memory(load_file(paper, ["run.framework=ddp", "run.gpus=1"]), Launch())
+    fitted = load_file(paper, ["run.framework=ddp", "run.gpus=1", "train.micro_batch=8"])
+    peak = costmodel.predict(costmodel.cell_of(fitted)).fit_bytes
+    assert round(peak / 2**30, 2) == 14.56
+    assert str(refused.value) == (
+        "memory: predicted 38.4 GiB per GPU (ddp, repro.costmodel), over this machine's GPU memory, 16.0 GiB; "
+        f"--set train.micro_batch=8 fits ({peak / 2**30:.1f} GiB per GPU); --ignore-memory-check to launch anyway")
+    with pytest.raises(LaunchError) as refused:
+        preflight.check_memory(load_file(paper, ["run.framework=megatron", "run.gpus=1"]), Launch())
+    assert str(refused.value).endswith("over this machine's GPU memory, 16.0 GiB; --ignore-memory-check to launch anyway")

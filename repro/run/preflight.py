@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 
 from repro import hardware, launch, registry
@@ -15,6 +16,9 @@ from repro.recipe import Recipe, batch_too_big
 from repro.run.extensions import check_extension_build, installed_prebuilt
 from repro.run.options import Launch, LaunchError
 from repro.schema import RecipeError
+
+if TYPE_CHECKING:
+    from repro.costmodel_terms import Cell
 
 CPU_PROCESSES_PER_CORE = 2  # stand-in GPUs per core before a run must ask for --oversubscribe
 
@@ -117,7 +121,8 @@ def check_memory(recipe: Recipe, options: Launch) -> None:
     from repro import costmodel
 
     try:
-        predicted = costmodel.predict(costmodel.cell_of(recipe))
+        cell = costmodel.cell_of(recipe)
+        predicted = costmodel.predict(cell)
     except KeyError:  # no model for this framework or workload: nothing to check against
         return
     per_gpu = predicted.fit_bytes
@@ -128,7 +133,17 @@ def check_memory(recipe: Recipe, options: Launch) -> None:
         standing_in = "" if on_gpu else f" x {gpus} CPU stand-in{'s' if gpus > 1 else ''} = {gib(need)}"
         raise LaunchError(
             f"memory: predicted {gib(per_gpu)} per GPU ({recipe.run.framework}, repro.costmodel){standing_in}, over "
-            f"this machine's {'GPU memory' if on_gpu else 'RAM'}, {gib(have)}; --ignore-memory-check to launch anyway")
+            f"this machine's {'GPU memory' if on_gpu else 'RAM'}, {gib(have)}{what_fits(cell, have / (1 if on_gpu else gpus))}; "
+            "--ignore-memory-check to launch anyway")
+
+
+def what_fits(cell: Cell, capacity: float) -> str:
+    """"; --set ... fits (X GiB per GPU)" where a memory setting the framework applies brings the predicted
+    peak per GPU within `capacity` bytes (repro.predictions.fit, as `repro predict --fit` chooses), else ""."""
+    from repro.predictions import fit
+
+    chosen = fit(cell, capacity)
+    return f"; {chosen.setting()} fits ({gib(chosen.peak)} per GPU)" if chosen.sets else ""
 
 
 def gib(size: float) -> str:
