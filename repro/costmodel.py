@@ -306,7 +306,7 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None) -> Cell:
     shape = shape_of(recipe.workload, recipe.model, recipe.data.dataset)
     device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and recipe.scale == "paper") else "cpu"
     train = recipe.train
-    recomputed = (train.recompute_layers or len(shape.blocks())) if train.recompute == "full" else 0
+    recomputed = Cell.recomputed_blocks(shape, train.recompute, train.recompute_layers)
     return Cell(shape, recipe.run.framework, recipe.run.gpus, train.batch_per_gpu, optimizer.name,
                 train.precision, section, device, train.micro_batch, recomputed)
 

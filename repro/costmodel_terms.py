@@ -33,6 +33,12 @@ class Cell:
     def option(self, name: str, default: Any) -> Any:
         return self.options.get(name, default)
 
+    @staticmethod
+    def recomputed_blocks(shape: GPT2Shape | VGG16Shape, recompute: str | None, layers: int | None) -> int:
+        """`recomputed` of a recipe's train.recompute and train.recompute_layers: under full recompute its
+        first `layers` blocks (all when unset), else none."""
+        return (layers or len(shape.blocks())) if recompute == "full" else 0
+
     @property
     def accumulation_steps(self) -> int:
         """Forward-backward passes a step on each process: batch_per_gpu / micro_batch (1 without micro-batches)."""

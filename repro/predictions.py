@@ -30,7 +30,7 @@ def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", 
     options = {**section, "grad_clip": train.get("grad_clip"), "momentum": optimizer.get("momentum", 0.9),
                "weight_decay": optimizer.get("weight_decay", 0.0)}
     shape = shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"])
-    recomputed = (train.get("recompute_layers") or len(shape.blocks())) if train.get("recompute") == "full" else 0
+    recomputed = costmodel.Cell.recomputed_blocks(shape, train.get("recompute"), train.get("recompute_layers"))
     return costmodel.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"),
                           options, micro_batch=train.get("micro_batch"), recomputed=recomputed)
 

@@ -50,7 +50,7 @@ class EarlyReports:
     and findings within minutes rather than at the end. A rewrite takes seconds that no cell trains in, so one
     is due only once the job has run MIN_INTERVAL_S since the last and COST_SHARE times that rewrite's own
     time: the rewrites take at most 1/COST_SHARE of the job. Each early results.md and findings.md opens
-    with a line saying how many cells it has; the final reports (write_reports) replace them."""
+    with a line saying it is early, and when; the final reports (write_reports) replace them."""
 
     MIN_INTERVAL_S = 120.0
     COST_SHARE = 40

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
 from repro import hardware, launch, registry
 from repro.data import DataError, Verified
 from repro.data.sets import dataset
