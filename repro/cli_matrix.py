@@ -1,5 +1,5 @@
 """`repro table2`, `repro parity` and `repro predict`: the comparison matrix, its parity section and
-the cost model's predictions, as commands (the work is in repro.table2, repro.parity, repro.predictions)."""
+the cost model's predictions, as commands (the work is in repro.table2, repro.parity, repro.model.predict)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,15 +42,16 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
     """
     from repro import tracking
     from repro import table2 as matrix_module
+    from repro.matrix import expand, load_matrix
     from repro.report.build import EarlyReports, write_reports
 
     uri = tracking.tracking_uri(tracking_uri)
     experiment = experiment or f"table2-{scale}"
     try:
-        matrix = matrix_module.load_matrix(rows=rows.split(",") if rows else None)
+        matrix = load_matrix(rows=rows.split(",") if rows else None)
     except KeyError as error:
         fail(error.args[0])
-    cells = matrix_module.expand(matrix, scale, list(overrides), gpus_per_node, repeats)
+    cells = expand(matrix, scale, list(overrides), gpus_per_node, repeats)
     if dry_run:
         todo, _ = matrix_module.plan(cells, uri, experiment, retry_failed)
         for cell in todo:
@@ -145,7 +146,7 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
       repro predict --model gpt2 --fit V100-16GB
     """
     from repro.hardware import paper_gpu_memory
-    from repro.predictions import matrix_predictions, memory_minimum, paper_fit
+    from repro.model.predict import matrix_predictions, memory_minimum, paper_fit
 
     if fit_device:
         known = fit_device in GPU_MEMORY_GIB
@@ -194,8 +195,8 @@ def device(option: str, text: str) -> tuple[str, float]:
 
 
 def print_fits(workloads: tuple[str, ...], scale: str, name: str, size: float) -> None:
-    """`repro predict --fit`: per cell, the setting chosen (repro.predictions.fit) and its predicted peak."""
-    from repro.predictions import matrix_fits
+    """`repro predict --fit`: per cell, the setting chosen (repro.model.predict.fit) and its predicted peak."""
+    from repro.model.predict import matrix_fits
 
     label = name if name.lower().endswith("gib") else f"{name} ({size:g} GiB)"
     for workload in workloads:

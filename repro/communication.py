@@ -6,7 +6,7 @@ after its backend and kind (`gloo:all_reduce`, `nccl:all_reduce`, `gloo:send`), 
 dtypes of the tensors handed to it. So one counter serves every adapter: the torch profiler with
 `record_shapes=True` around one step, and each such event's payload (elements x element size of its
 tensors) added to its kind. The payload is what the operation is given, per rank; what a ring or tree
-then moves on the wire follows from payload, kind and group size (repro.costmodel).
+then moves on the wire follows from payload, kind and group size (repro.model.costs).
 
 What the backend runs is what is counted: gloo has no reduce-scatter, and torch runs
 `reduce_scatter_tensor` on gloo as an all-reduce of the whole input (counted as that all-reduce).

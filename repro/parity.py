@@ -307,13 +307,13 @@ def matrix_partings(uri: str, experiment: str, scale: str, parity_experiment: st
     the same Adam, lr and batch for all three); and, at the most GPUs, the rounding control against
     `reference` (trained in `parity_experiment` unless MLflow holds it or `execute` is False): how far
     rounding alone moves the curves there."""
-    from repro import table2
+    from repro.matrix import expand, load_matrix
     from repro.report import settings as run_settings
     from repro.report.collect import METRIC, collect, history
     from repro.tracking import client
 
-    matrix = table2.load_matrix(rows=[reference, *rows])
-    cells = [c for c in table2.expand(matrix, scale, list(extra)) if c.workload == workload and c.gpus in gpus]
+    matrix = load_matrix(rows=[reference, *rows])
+    cells = [c for c in expand(matrix, scale, list(extra)) if c.workload == workload and c.gpus in gpus]
     found = {(r.cell.row, r.cell.gpus): r for r in collect(cells, uri, experiment) if r.ok}
     mlflow_client, tolerance, out_rows = client(uri), TOLERANCE[("cpu", "fp32")], []
     for count in gpus:

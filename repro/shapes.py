@@ -1,6 +1,6 @@
 """The workloads' shapes without torch: each layer's parameter tensors (element counts, in the order
 `nn.Module.parameters()` yields them) and what each layer saves for backward, from the model section
-of a recipe. `repro.costmodel` works from these, so `repro predict` and the pre-launch check need no
+of a recipe. `repro.model.costs` works from these, so `repro predict` and the pre-launch check need no
 torch; `tests/test_costmodel.py` checks them against the built modules (repro.workloads), element for
 element. (They live outside repro/workloads/ because what they describe is shared by every workload:
 the cost model's terms; the workloads' own constants come from their torch-free plans.)

@@ -1,10 +1,10 @@
-"""The cost model (repro.costmodel) against the counters: model state, activations and communication.
+"""The cost model (repro.model.costs) against the counters: model state, activations and communication.
 
 Units: the torch-free shapes (repro.shapes) equal the built modules tensor for tensor, and the model
 imports no torch. Ranks: GPT-2 smoke (and VGG-16 where its layers differ) under every modelled
 framework at 2 and 4 processes on gloo (1 where it differs), the real training loop in ranks forked
 by the tests' warm launcher, each run's counted figures (epoch event) against the model, within the
-bounds of costmodel.BOUNDS; a different ZeRO bucket or tp degree moves both sides. End to end: one
+bounds of costs.BOUNDS; a different ZeRO bucket or tp degree moves both sides. End to end: one
 cell as a real `repro run`.
 """
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 
 import ranks
 from conftest import REPO, Repro
-from repro import costmodel, events
+from repro import events
+from repro.model import costs
 from repro.adapters.torch_pipeline import stage_starts
-from repro.predictions import Fit
+from repro.model.predict import Fit
 from repro.recipe import Recipe, load_file, recipe_path, resolve
 from repro.runfiles import RUN_FILE
 from repro.shapes import GPT2Shape, VGG16Shape, parameters, tensors
@@ -74,15 +75,15 @@ def layer_outputs(model: torch.nn.Sequential, inputs: torch.Tensor) -> list[int]
 
 @pytest.mark.units
 def test_the_cost_model_imports_no_torch():
-    code = "import sys, repro.costmodel; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    code = "import sys, repro.model.costs; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 @pytest.mark.units
 def test_ring_wire_bytes():
-    assert costmodel.wire_bytes("all_reduce", 1000, 4) == 1500
-    assert costmodel.wire_bytes("all_gather", 250, 4) == 750
-    assert costmodel.wire_bytes("all_reduce", 1000, 1) == 0
+    assert costs.wire_bytes("all_reduce", 1000, 4) == 1500
+    assert costs.wire_bytes("all_gather", 250, 4) == 750
+    assert costs.wire_bytes("all_reduce", 1000, 1) == 0
 
 
 # -- measured against modelled ----------------------------------------------------------------------
@@ -177,9 +178,9 @@ def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
         # the counters keep their high-water marks from epoch to epoch: the last epoch event holds them all
         # (VGG-16's 4-GPU epochs are shorter than PipeDream's steps: two epoch events)
         epoch = [e for e in written if e["event"] == events.EPOCH][-1]
-        prediction = costmodel.predict(costmodel.cell_of(recipe, start["adapter"]))
-        measured = costmodel.measured_of(epoch["ranks"])
-        cache[name] = (prediction, measured, costmodel.compare(prediction, measured))
+        prediction = costs.predict(costs.cell_of(recipe, start["adapter"]))
+        measured = costs.measured_of(epoch["ranks"])
+        cache[name] = (prediction, measured, costs.compare(prediction, measured))
     return cache[name]
 
 
@@ -270,13 +271,13 @@ def layer_shape(layers: torch.nn.Sequential, batch: int) -> tuple[int, ...]:
 @pytest.mark.parametrize("zero_bubble", [False, True], ids=["interleaved-1f1b", "zero-bubble"])
 @pytest.mark.units
 def test_the_interleaved_schedules_order_is_torchs(ranks_, micro, zero_bubble):
-    """The model's order of each rank's compute actions (costmodel_pipelines.looped_actions) is the one
+    """The model's order of each rank's compute actions (pipelines.looped_actions) is the one
     torch's schedule computes for it (bubbles left out)."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining import schedules
 
-    from repro.costmodel_pipelines import looped_actions
+    from repro.model.pipelines import looped_actions
 
     schedule = schedules.ScheduleInterleavedZeroBubble if zero_bubble else schedules.ScheduleInterleaved1F1B
     rounds = max(1, micro // ranks_)
@@ -297,10 +298,10 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     assert all(any(line.startswith(f"{w}, paper scale") for line in lines) for w in ("gpt2", "vgg16"))
     gpt2 = lines[next(i for i, line in enumerate(lines) if line.startswith("gpt2")):]
     ddp64 = next(line.split() for line in gpt2 if line.split()[:2] == ["ddp", "64"])
-    medium = costmodel.predict(costmodel.Cell(GPT2Shape(24, 1024, 16, 1024, 50257, 0.1), "ddp", 64, 32, "lamb", "bf16"))
+    medium = costs.predict(costs.Cell(GPT2Shape(24, 1024, 16, 1024, 50257, 0.1), "ddp", 64, 32, "lamb", "bf16"))
     assert ddp64[2:5] == [f"{medium.model_state / 2**30:.2f}", f"{medium.activations / 2**30:.2f}",
                           f"{medium.estimated_peak / 2**30:.2f}"] and ddp64[-1] == "none"  # 38 GiB: no V100 holds it
-    from repro.predictions import memory_minimum, predict_row
+    from repro.model.predict import memory_minimum, predict_row
 
     intra = {g: predict_row("gpt2", "megatron-intra", g) for g in (1, 2, 4, 8, 16, 32, 64)}
     lowest, shape = memory_minimum({g: p.estimated_peak for g, p in intra.items() if p})
@@ -313,7 +314,7 @@ def test_paper_scale_rows_say_whether_the_papers_gpus_hold_them():
     written: DDP's 38.43 GiB fits an A100 40 GB, not a V100 16 GB; Megatron-intra at 8 GPUs fits neither,
     almost all of it activations; the 1F1B pipeline at 16 GPUs fits both."""
     from repro.hardware import GPU_MEMORY_GIB, paper_gpu_memory
-    from repro.predictions import paper_fit, predict_row
+    from repro.model.predict import paper_fit, predict_row
 
     assert paper_gpu_memory() == {"V100-16GB": 16.0, "A100-40GB": 40.0}
     assert {name: GPU_MEMORY_GIB[name] for name in paper_gpu_memory()} == paper_gpu_memory()
@@ -340,18 +341,18 @@ def test_the_model_gives_the_counted_model_state_of_docs_and_the_issue():
     issue 29's bytes per parameter (ZeRO-2 on VGG-16 smoke: 12.83 at 2 ranks, 9.12 at 4; DDP with LAMB 20.0)."""
     gpt2 = GPT2Shape(4, 64, 4, 64, 256)
     bucket = {"reduce_bucket_size": 20_000}
-    assert costmodel.predict(costmodel.Cell(gpt2, "zero", 4, 8, "adam", options=bucket)).model_state == 1_905_416
-    assert costmodel.predict(costmodel.Cell(gpt2, "ddp", 4, 8, "adam")).model_state == 4_411_088
-    assert costmodel.predict(costmodel.Cell(gpt2, "ddp", 2, 8, "lamb")).model_state == 20 * 220_544
+    assert costs.predict(costs.Cell(gpt2, "zero", 4, 8, "adam", options=bucket)).model_state == 1_905_416
+    assert costs.predict(costs.Cell(gpt2, "ddp", 4, 8, "adam")).model_state == 4_411_088
+    assert costs.predict(costs.Cell(gpt2, "ddp", 2, 8, "lamb")).model_state == 20 * 220_544
     vgg = VGG16Shape(8, 128, 1, 32, 10)
-    per_param = [costmodel.predict(costmodel.Cell(vgg, "zero", n, 16, "adam", options={"reduce_bucket_size": 25_000}))
+    per_param = [costs.predict(costs.Cell(vgg, "zero", n, 16, "adam", options={"reduce_bucket_size": 25_000}))
                  .model_state / parameters(vgg) for n in (2, 4)]
     assert [round(x, 2) for x in per_param] == [12.83, 9.12]
 
 
 @pytest.mark.units
 def test_the_pipelines_memory_plateau_is_quoted_as_the_models_prediction():
-    from repro.predictions import predict_row
+    from repro.model.predict import predict_row
     from repro.report.evidence import Results
     from repro.report.model_check import paper_predictor
     from repro.report.predicted import pipeline_memory_predicted
@@ -374,8 +375,8 @@ def test_megatrons_layer_is_korthikantis_in_16_bit_with_dropout_plus_what_the_lo
     s, h, a, b = 128, 64, 4, 2 * tp  # b: the tp group's sequences, 2 per GPU
 
     def layers(n: int) -> int:
-        cell = costmodel.Cell(GPT2Shape(n, h, a, s, 256, 0.1), "megatron", tp, 2, precision="bf16", options={"tp": tp})
-        return costmodel.megatron_activations(cell, tp)
+        cell = costs.Cell(GPT2Shape(n, h, a, s, 256, 0.1), "megatron", tp, 2, precision="bf16", options={"tp": tp})
+        return costs.megatron_activations(cell, tp)
 
     layer = layers(2) - layers(1)
     assert layer == s * b * h * (10 + 24 // tp) + 5 * a * s * s * b // tp + 2 * a * s * s * b // tp + 16 * s * b
@@ -385,16 +386,16 @@ def test_megatrons_layer_is_korthikantis_in_16_bit_with_dropout_plus_what_the_lo
 def test_megatron_activations_are_the_local_specs_only(monkeypatch):
     """On GPUs the adapter uses Transformer Engine's layers where installed (repro.adapters.megatron.layer_spec_name):
     no activation prediction there; the CPU always runs the local spec."""
-    cell = costmodel.Cell(GPT2Shape(4, 64, 4, 64, 256, 0.0), "megatron", 2, 8, options={"tp": 2})
-    assert costmodel.predict(cell).activations == costmodel.megatron_activations(cell, 2)
-    monkeypatch.setattr(costmodel.importlib.util, "find_spec", lambda name: object() if name == "transformer_engine" else None)
-    assert costmodel.predict(cell).activations is None
-    assert costmodel.predict(dataclasses.replace(cell, device="cpu")).activations == costmodel.megatron_activations(cell, 2)
+    cell = costs.Cell(GPT2Shape(4, 64, 4, 64, 256, 0.0), "megatron", 2, 8, options={"tp": 2})
+    assert costs.predict(cell).activations == costs.megatron_activations(cell, 2)
+    monkeypatch.setattr(costs.importlib.util, "find_spec", lambda name: object() if name == "transformer_engine" else None)
+    assert costs.predict(cell).activations is None
+    assert costs.predict(dataclasses.replace(cell, device="cpu")).activations == costs.megatron_activations(cell, 2)
 
 
 @pytest.mark.units
 def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
-    from repro.predictions import predict_row
+    from repro.model.predict import predict_row
     from repro.report.evidence import Results
     from repro.report.model_check import paper_predictor
     from repro.report.predicted import megatron_memory_predicted
@@ -414,14 +415,14 @@ GIB = 2**30
 
 def paper_peak(workload: str, framework: str, gpus: int, *sets: str) -> int:
     """The model's peak per GPU for a paper recipe with `sets` applied, through the recipe (load_file,
-    cell_of) rather than predict --fit's own path (predictions.recipe_cell)."""
+    cell_of) rather than predict --fit's own path (predict.recipe_cell)."""
     recipe = load_file(recipe_path(workload, "paper"), [f"run.framework={framework}", f"run.gpus={gpus}", *sets])
-    return costmodel.predict(costmodel.cell_of(recipe)).fit_bytes
+    return costs.predict(costs.cell_of(recipe)).fit_bytes
 
 
 def fits(workload: str, size_gib: float) -> dict[tuple[str, int], Fit]:
     """predict --fit's choice for every cell of `workload` at paper scale, by (row, GPUs)."""
-    from repro.predictions import matrix_fits
+    from repro.model.predict import matrix_fits
 
     return {(entry["row"], entry["gpus"]): entry["fit"] for entry in matrix_fits(workload, size_gib * GIB)}
 
@@ -472,28 +473,28 @@ def test_fits_bisection_finds_what_the_whole_search_finds(workload):
     """fit bisects the number of recomputed blocks, assuming the peak falls as more are recomputed: on the
     paper shapes, at sizes from tight to loose, it chooses what trying every setting in order chooses."""
     from repro import registry
-    from repro.predictions import fit, micro_batches, overrides, recipe_cell
+    from repro.model.predict import fit, micro_batches, overrides, recipe_cell
 
     for framework in ("ddp", "zero"):
         cell = recipe_cell(workload, framework, 2)
         every = [dataclasses.replace(cell, recomputed=n, micro_batch=m) for n in range(len(cell.shape.blocks()) + 1)
                  for m in micro_batches(cell, registry.plan_class(framework))]
-        peaks = [costmodel.predict(candidate).fit_bytes for candidate in every]
+        peaks = [costs.predict(candidate).fit_bytes for candidate in every]
         for size in sorted(set(peaks))[:: max(1, len(set(peaks)) // 12)]:
             first = next(candidate for candidate, peak in zip(every, peaks) if peak <= size)
             chosen = fit(cell, size)
-            assert (chosen.sets, chosen.peak) == (overrides(cell, first), costmodel.predict(first).fit_bytes), (framework, size)
+            assert (chosen.sets, chosen.peak) == (overrides(cell, first), costs.predict(first).fit_bytes), (framework, size)
 
 
 @pytest.mark.units
 def test_fit_undoes_what_the_recipe_already_sets():
     """From a recipe that recomputes 2 blocks at micro-batches of 16, the chosen --set list, applied on top
     of it, gives the chosen peak: the overrides are relative to the recipe, not to the paper's."""
-    from repro.predictions import fit
+    from repro.model.predict import fit
 
     written = ("train.recompute=full", "train.recompute_layers=2", "train.micro_batch=16")
     recipe = load_file(recipe_path("gpt2", "paper"), ["run.framework=ddp", "run.gpus=1", *written])
-    chosen = fit(costmodel.cell_of(recipe), 16 * GIB)
+    chosen = fit(costs.cell_of(recipe), 16 * GIB)
     assert chosen.sets == ("train.recompute=none", "train.recompute_layers=null", "train.micro_batch=8")
     assert chosen.peak == paper_peak("gpt2", "ddp", 1, *written, *chosen.sets)
 

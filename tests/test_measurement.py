@@ -197,10 +197,10 @@ def test_step_time_summary_gives_median_deciles_and_count():
 
 @pytest.mark.units
 def test_repeats_run_with_their_own_seeds_and_the_first_keeps_the_recipe_fingerprint():
-    from repro import table2
+    from repro.matrix import expand, load_matrix
 
-    matrix = table2.load_matrix(rows=["ddp"])
-    once, thrice = table2.expand(matrix, "smoke"), table2.expand(matrix, "smoke", repeats=3)
+    matrix = load_matrix(rows=["ddp"])
+    once, thrice = expand(matrix, "smoke"), expand(matrix, "smoke", repeats=3)
     assert len(thrice) == 3 * len(once)
     first, second, third = thrice[:3]
     assert [c.recipe.seed for c in (first, second, third)] == [1234, 2234, 3234]
@@ -220,11 +220,11 @@ def test_median_interval_is_the_sign_test_interval_with_its_coverage():
 
 @pytest.mark.units
 def test_repeats_fold_into_one_result_and_times_compare_only_when_intervals_separate():
-    from repro import table2
+    from repro.matrix import expand, load_matrix
     from repro.report.collect import Result, fold_repeats, not_separable
 
-    matrix = table2.load_matrix(rows=["ddp", "zero"])
-    cells = [c for c in table2.expand(matrix, "smoke", repeats=3) if c.gpus == 2 and c.workload == "gpt2"]
+    matrix = load_matrix(rows=["ddp", "zero"])
+    cells = [c for c in expand(matrix, "smoke", repeats=3) if c.gpus == 2 and c.workload == "gpt2"]
     times = {"ddp": [1.0, 1.1, 1.2], "zero": [1.15, 1.3, 1.4]}
     results = [Result(c, "FINISHED", epoch_s=[times[c.row][c.repeat]] * 2) for c in cells]
     ddp, zero = fold_repeats(results)
@@ -239,12 +239,12 @@ def test_repeats_fold_into_one_result_and_times_compare_only_when_intervals_sepa
 def test_time_clauses_of_memory_findings_wait_for_separable_repeats():
     """ZeRO's "no loss in performance" compares epoch times: with overlapping intervals it is not
     judged, and the verdict rests on the memory clause alone."""
-    from repro import table2
+    from repro.matrix import expand, load_matrix
     from repro.report import evidence, performance
     from repro.report.collect import Result, fold_repeats
 
-    matrix = table2.load_matrix(rows=["ddp", "zero"])
-    cells = [c for c in table2.expand(matrix, "smoke", repeats=3) if c.gpus == 2 and c.workload == "gpt2"]
+    matrix = load_matrix(rows=["ddp", "zero"])
+    cells = [c for c in expand(matrix, "smoke", repeats=3) if c.gpus == 2 and c.workload == "gpt2"]
     times = {"ddp": [1.0, 1.1, 1.2], "zero": [1.5, 1.6, 1.7]}  # ZeRO 45% slower: fails the 15% clause
     state = {"ddp": 1000.0, "zero": 500.0}  # and saves 50%: within the paper's 42-66%
 

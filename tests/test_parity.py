@@ -136,10 +136,10 @@ def test_parting_tells_rounding_growth_from_the_frameworks():
 def test_the_rounding_control_is_one_process_at_the_cells_global_batch_and_explains_the_gap():
     """The control differs from the matrix's DDP cell only in its process count (so in the order of its
     sums); the report's sentence compares the frameworks' curve gaps with the control's."""
-    from repro import table2
+    from repro.matrix import expand, load_matrix
     from repro.parity import parting, rounding_control, explanation
 
-    cell = next(c for c in table2.expand(table2.load_matrix(rows=["ddp"]), "smoke", ["train.epochs=2"])
+    cell = next(c for c in expand(load_matrix(rows=["ddp"]), "smoke", ["train.epochs=2"])
                 if c.workload == "vgg16" and c.gpus == 4)
     control = rounding_control(cell)
     assert (control.run.gpus, control.train.batch_per_gpu) == (1, 4 * cell.recipe.train.batch_per_gpu)
@@ -165,11 +165,12 @@ def test_the_rounding_control_is_one_process_at_the_cells_global_batch_and_expla
 def test_matrix_partings_read_the_matrix_runs_and_the_rounding_control(tmp_path: Path):
     """From MLflow: the matrix's ZeRO run against DDP's at 4 GPUs, and the rounding control from the parity
     experiment, each with its first differing step and its curve gap against DDP's curve."""
-    from repro import events, names, table2, tracking
+    from repro import events, names, tracking
+    from repro.matrix import expand, load_matrix
     from repro.parity import matrix_partings, rounding_control
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cells = {c.row: c for c in table2.expand(table2.load_matrix(rows=["ddp", "zero"]), "smoke")
+    cells = {c.row: c for c in expand(load_matrix(rows=["ddp", "zero"]), "smoke")
              if c.workload == "vgg16" and c.gpus == 4}
     ranks = [{"rank": 0, "peak_bytes": 1, "method": "cpu_peak_rss", "parameters": 1, "gradients": 0, "optimizer": 0}]
 

@@ -198,12 +198,12 @@ def test_platform_table_has_the_papers_rows_and_this_machine(report: Path) -> No
 
 
 def test_communication_and_the_cost_model_check_are_reported(report: Path) -> None:
-    from repro import costmodel
+    from repro.model import costs
 
     assert float(rows(report)[("ddp", 4)]["comm_mib_per_step"]) == 4.0 and rows(report)[("ddp", 1)]["comm_mib_per_step"] == ""
     checked = {c["cell"]: c for c in json.loads((report / "model_check.json").read_text())}
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=ddp", "run.gpus=4"])
-    modelled = costmodel.predict(costmodel.cell_of(recipe))
+    modelled = costs.predict(costs.cell_of(recipe))
     state, activations, comm = checked["gpt2 ddp 4g"]["rows"]
     assert (state["measured"], state["modelled"]) == (8 * MIB, modelled.model_state) and state["within"] is False
     assert (comm["measured"], comm["modelled"]) == (4 * MIB, modelled.comm_bytes)
@@ -221,18 +221,18 @@ def test_figures_are_written(report: Path) -> None:
 
 
 def test_hybrid_row_is_tp_within_a_node_and_dp_across_nodes():
-    from repro import table2
+    from repro.matrix import expand, load_matrix
 
-    matrix = table2.load_matrix(rows=["megatron-intra", "megatron-hybrid"])
-    smoke = {(c.row, c.gpus): c for c in table2.expand(matrix, "smoke") if c.workload == "gpt2"}
+    matrix = load_matrix(rows=["megatron-intra", "megatron-hybrid"])
+    smoke = {(c.row, c.gpus): c for c in expand(matrix, "smoke") if c.workload == "gpt2"}
     assert smoke[("megatron-hybrid", 1)].skip == "not applicable: gpus (1) must be tp (2) x dp: 1 % 2 = 1"
     assert smoke[("megatron-hybrid", 4)].recipe.options("megatron").tp == 2  # tp=2 x dp=2 on one node
     assert smoke[("megatron-hybrid", 2)].recipe.fingerprint() == smoke[("megatron-intra", 2)].recipe.fingerprint()
-    paper = {c.gpus: c for c in table2.expand(matrix, "paper") if c.workload == "gpt2" and c.row == "megatron-hybrid"}
+    paper = {c.gpus: c for c in expand(matrix, "paper") if c.workload == "gpt2" and c.row == "megatron-hybrid"}
     assert [g for g, c in paper.items() if c.recipe] == [4, 8, 16, 32, 64]
     assert {c.recipe.options("megatron").tp for c in paper.values() if c.recipe} == {4}  # Lassen's 4 GPUs a node
     assert (paper[64].recipe.run.nodes, paper[2].skip.startswith("not applicable")) == (16, True)
-    theta = [c for c in table2.expand(matrix, "paper", gpus_per_node=8) if c.row == "megatron-hybrid" and c.recipe]
+    theta = [c for c in expand(matrix, "paper", gpus_per_node=8) if c.row == "megatron-hybrid" and c.recipe]
     assert {c.recipe.options("megatron").tp for c in theta} == {8}
 
 
@@ -339,12 +339,12 @@ def test_a_rounding_control_beyond_the_limit_leaves_the_curves_to_the_parity_rep
     """Where the parity report's rounding control (a run that differs from DDP only in the order of its
     sums) moves the curve by more than the limit, equal-settings curves cannot tell the frameworks from
     rounding growth: the curve clause falls back to the parity report's step-by-step runs."""
-    from repro import table2
+    from repro.matrix import expand, load_matrix
     from repro.report import convergence, evidence
     from repro.report.collect import Result
 
-    matrix = table2.load_matrix(rows=["ddp", "zero"])
-    cells = [c for c in table2.expand(matrix, "smoke") if c.workload == "vgg16" and c.gpus == 4]
+    matrix = load_matrix(rows=["ddp", "zero"])
+    cells = [c for c in expand(matrix, "smoke") if c.workload == "vgg16" and c.gpus == 4]
     curves = {"ddp": [0.30, 0.60], "zero": [0.30, 0.66]}  # 9.1% apart at epoch 2 (relative to zero)
     results = [Result(c, "FINISHED", epoch_s=[1.0, 1.0], val=curves[c.row], settings={"optimizer": "adam"})
                for c in cells]

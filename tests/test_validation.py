@@ -241,6 +241,7 @@ def test_table2_names_why_each_cell_cannot_run_and_reports_carry_it(tmp_path: Pa
     """Paper scale with no paper data (and, here, fewer GPUs than the cells): every cell gets one line
     with the reasons and the fixing commands, --dry-run runs nothing, the report says the same."""
     from repro import table2
+    from repro.matrix import expand, load_matrix
     from repro.report.collect import collect
 
     monkeypatch.setenv("REPRO_DATA", str(tmp_path / "data"))
@@ -266,7 +267,7 @@ def test_table2_names_why_each_cell_cannot_run_and_reports_carry_it(tmp_path: Pa
         elif hardware.gpu_count() < per_node:
             assert f"needs {per_node} GPU{'s' * (per_node > 1)}, this machine has {hardware.gpu_count()}" in line, line
 
-    cells = table2.expand(table2.load_matrix(rows=["ddp"]), "paper")
+    cells = expand(load_matrix(rows=["ddp"]), "paper")
     todo, counts = table2.plan(cells, uri, "table2-paper", out=lambda line: None)
     assert todo == [] and counts["blocked"] == 14
     results = collect(cells, uri, "table2-paper")
@@ -309,7 +310,7 @@ def test_a_run_over_its_gpus_memory_is_refused_naming_the_setting_that_fits(monk
     """GPT-2-medium under DDP at paper scale needs 38.4 GiB per GPU as written: on a V100-16GB the refusal
     names micro-batches of 8 (no recompute needed), with the model's peak for the recipe with that --set
     applied; Megatron applies no memory setting yet, so its refusal names none."""
-    from repro import costmodel
+    from repro.model import costs
 
     monkeypatch.setattr(hardware, "gpu_count", lambda: 1)
     monkeypatch.setattr(hardware, "gpu_memory_bytes", lambda: 16 * 2**30)
@@ -317,10 +318,10 @@ def test_a_run_over_its_gpus_memory_is_refused_naming_the_setting_that_fits(monk
     with pytest.raises(LaunchError) as refused:
         preflight.check_memory(load_file(paper, ["run.framework=ddp", "run.gpus=1"]), Launch())
     fitted = load_file(paper, ["run.framework=ddp", "run.gpus=1", "train.micro_batch=8"])
-    peak = costmodel.predict(costmodel.cell_of(fitted)).fit_bytes
+    peak = costs.predict(costs.cell_of(fitted)).fit_bytes
     assert round(peak / 2**30, 2) == 14.56
     assert str(refused.value) == (
-        "memory: predicted 38.4 GiB per GPU (ddp, repro.costmodel), over this machine's GPU memory, 16.0 GiB; "
+        "memory: predicted 38.4 GiB per GPU (ddp, repro.model.costs), over this machine's GPU memory, 16.0 GiB; "
         f"--set train.micro_batch=8 fits ({peak / 2**30:.1f} GiB per GPU); --ignore-memory-check to launch anyway")
     with pytest.raises(LaunchError) as refused:
         preflight.check_memory(load_file(paper, ["run.framework=megatron", "run.gpus=1"]), Launch())

@@ -21,7 +21,7 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
                   cores: int | None = None, predict: evidence.Predictor | None = None, final: bool = True) -> list[Path]:
     """Every report file; the findings also read the parity report already in `folder`, if any.
     `cores`: the machine's (default), which decides whether epoch times can be compared; `predict`:
-    the cost model at paper scale (default: repro.predictions, quoted with the errors of this run's model check);
+    the cost model at paper scale (default: repro.model.predict, quoted with the errors of this run's model check);
     `final`: also log the files to the matrix's MLflow report run (not while the matrix still runs)."""
     folder.mkdir(parents=True, exist_ok=True)
     results = collect(cells, uri, experiment)

@@ -32,7 +32,7 @@ class Prediction:
     model_state_bytes: float | None = None  # per GPU, the part of memory_bytes that is not activations
 
 
-# what each predicted figure is checked by: repro.costmodel.compare's quantities
+# what each predicted figure is checked by: repro.model.costs.compare's quantities
 MEMORY_CHECKS, COMM_CHECKS = ("model_state", "activations"), ("comm",)
 
 

@@ -1,8 +1,8 @@
 """reports/model_check.{md,json}: every finished cell's counted figures against the cost model.
 
 For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes)
-and payload per step (comm/bytes_per_step), busiest rank, against repro.costmodel's figure for the
-cell's recipe, with the relative error and the bound it is held to (costmodel.BOUNDS). A cell whose
+and payload per step (comm/bytes_per_step), busiest rank, against repro.model.costs's figure for the
+cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
 framework has no model, or a quantity the model leaves open, says so instead of a verdict. The model's
 figure and error are also logged on the cell's own MLflow run (names.MODEL_CHECK).
 """
@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from repro import costmodel, names
+from repro import names
+from repro.model import costs
 from repro.report.collect import Result
 from repro.report.evidence import Prediction, Predictor
 
@@ -23,11 +24,11 @@ def check(result: Result) -> dict[str, Any]:
     """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none."""
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
     try:
-        prediction = costmodel.predict(costmodel.cell_of(result.cell.recipe, result.facts))
+        prediction = costs.predict(costs.cell_of(result.cell.recipe, result.facts))
     except (KeyError, ValueError) as error:
         return {**out, "why": f"not modelled: {error.args[0]}"}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
-    return {**out, "rows": costmodel.compare(prediction, measured)}
+    return {**out, "rows": costs.compare(prediction, measured)}
 
 
 def checks(results: list[Result]) -> list[dict[str, Any]]:
@@ -36,8 +37,8 @@ def checks(results: list[Result]) -> list[dict[str, Any]]:
 
 def markdown(checked: list[dict[str, Any]]) -> str:
     lines = ["# Counted against modelled, per cell (busiest rank)", "",
-             "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costmodel.BOUNDS.items()) +
-             ". The model: repro/costmodel.py; what it says at paper scale: `repro predict`.", "",
+             "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costs.BOUNDS.items()) +
+             ". The model: repro/model/costs.py; what it says at paper scale: `repro predict`.", "",
              "| cell | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|"]
     for cell in checked:
         if "why" in cell:
@@ -55,7 +56,7 @@ def paper_predictor(checked: list[dict[str, Any]]) -> Predictor:
     """The cost model at paper scale for the findings and answers: each cell's predicted memory per GPU
     (model state + activations, where both are modelled) and payload per step, with the largest error
     that the same framework's cells showed here against the counters."""
-    from repro.predictions import predict_row
+    from repro.model.predict import predict_row
 
     def predicted(workload: str, row: str, gpus: int) -> Prediction | None:
         prediction = predict_row(workload, row, gpus)

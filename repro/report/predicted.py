@@ -30,7 +30,7 @@ def paper_gpus_note(w: str, figures: dict[str, Prediction | None]) -> str:
     """Predicted memory per GPU of labelled figures ("8 GPUs", "ddp 64 GPUs") against the paper's GPUs (its
     Table 2): which exceed which GPU and how much of each is activations, or that all fit."""
     from repro.hardware import paper_gpu_memory
-    from repro.predictions import over_paper_gpus
+    from repro.model.predict import over_paper_gpus
 
     figures = {label: p for label, p in figures.items() if p and p.memory_bytes and p.model_state_bytes is not None}
     over = {label: (over_paper_gpus(p.memory_bytes), 1 - p.model_state_bytes / p.memory_bytes)
@@ -46,8 +46,8 @@ def paper_gpus_note(w: str, figures: dict[str, Prediction | None]) -> str:
 def zero_memory_predicted(res: Results, from_gpus: int, paper: tuple[float, float]) -> list[str]:
     """ZeRO's saving at the paper's scale and GPU counts, from the cost model: a prediction beside the
     paper's figure, not a verdict; with the model's error on ZeRO's and DDP's cells where it is connected."""
-    from repro.predictions import quoted, zero_saving
-    from repro.table2 import load_matrix
+    from repro.matrix import load_matrix
+    from repro.model.predict import quoted, zero_saving
 
     notes = []
     for w in res.workloads:
@@ -92,8 +92,8 @@ def predicted_hybrid(res: Results, w: str, t: dict[str, Any], notes: list[str]) 
 def pipeline_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
     """Where each pipeline's memory per GPU (model state + activations) plateaus at the paper's scale and
     GPU counts, from the cost model: a prediction beside the measured verdict, with the model's error."""
-    from repro.predictions import quoted
-    from repro.table2 import load_matrix
+    from repro.matrix import load_matrix
+    from repro.model.predict import quoted
 
     if res.predict is None:
         return []
@@ -119,8 +119,8 @@ def megatron_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
     """Where Megatron-intra's memory per GPU (model state + activations) has its minimum at the paper's
     scale and GPU counts, from the cost model: a prediction beside the measured verdict, with the
     model's error. Counts whose tp does not split the heads have no prediction (left out)."""
-    from repro.predictions import memory_minimum, quoted
-    from repro.table2 import load_matrix
+    from repro.matrix import load_matrix
+    from repro.model.predict import memory_minimum, quoted
 
     if res.predict is None:
         return []

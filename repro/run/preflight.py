@@ -17,7 +17,7 @@ from repro.run.options import Launch, LaunchError
 from repro.schema import RecipeError
 
 if TYPE_CHECKING:
-    from repro.costmodel_terms import Cell
+    from repro.model.terms import Cell
 
 CPU_PROCESSES_PER_CORE = 2  # stand-in GPUs per core before a run must ask for --oversubscribe
 
@@ -117,11 +117,11 @@ def check_memory(recipe: Recipe, options: Launch) -> None:
     that the CPU processes standing in for its GPUs share."""
     if options.ignore_memory:
         return
-    from repro import costmodel
+    from repro.model import costs
 
     try:
-        cell = costmodel.cell_of(recipe)
-        predicted = costmodel.predict(cell)
+        cell = costs.cell_of(recipe)
+        predicted = costs.predict(cell)
     except KeyError:  # no model for this framework or workload: nothing to check against
         return
     per_gpu = predicted.fit_bytes
@@ -131,15 +131,15 @@ def check_memory(recipe: Recipe, options: Launch) -> None:
     if need > have:
         standing_in = "" if on_gpu else f" x {gpus} CPU stand-in{'s' if gpus > 1 else ''} = {gib(need)}"
         raise LaunchError(
-            f"memory: predicted {gib(per_gpu)} per GPU ({recipe.run.framework}, repro.costmodel){standing_in}, over "
+            f"memory: predicted {gib(per_gpu)} per GPU ({recipe.run.framework}, repro.model.costs){standing_in}, over "
             f"this machine's {'GPU memory' if on_gpu else 'RAM'}, {gib(have)}{what_fits(cell, have / (1 if on_gpu else gpus))}; "
             "--ignore-memory-check to launch anyway")
 
 
 def what_fits(cell: Cell, capacity: float) -> str:
     """"; --set ... fits (X GiB per GPU)" where a memory setting the framework applies brings the predicted
-    peak per GPU within `capacity` bytes (repro.predictions.fit, as `repro predict --fit` chooses), else ""."""
-    from repro.predictions import fit
+    peak per GPU within `capacity` bytes (repro.model.predict.fit, as `repro predict --fit` chooses), else ""."""
+    from repro.model.predict import fit
 
     chosen = fit(cell, capacity)
     return f"; {chosen.setting()} fits ({gib(chosen.peak)} per GPU)" if chosen.sets else ""

@@ -1,8 +1,8 @@
-"""Predictions of the cost model (repro.costmodel) for the Table 2 matrix, read from the recipe files
+"""Predictions of the cost model (repro.model.costs) for the Table 2 matrix, read from the recipe files
 without torch: what `repro predict` prints and what findings quote.
 
 A prediction is the model's, checked against the counters at smoke scale (reports/model_check.md,
-tests/test_costmodel.py) to costmodel.BOUNDS; at paper scale its 16-bit activation terms and GPU-only
+tests/test_costmodel.py) to costs.BOUNDS; at paper scale its 16-bit activation terms and GPU-only
 paths are unchecked until a GPU run.
 """
 from __future__ import annotations
@@ -12,12 +12,13 @@ from typing import Any, Sequence
 
 import yaml
 
-from repro import costmodel, registry
+from repro import registry
+from repro.model import costs
 from repro.recipe import recipe_path
 from repro.shapes import shape_of
 
 
-def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costmodel.Cell:
+def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costs.Cell:
     """The model's cell of a recipe file with `sets` ("section.field=value", YAML values) applied."""
     raw = yaml.safe_load(recipe_path(workload, scale).read_text())
     for text in sets:
@@ -30,15 +31,15 @@ def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", 
     options = {**section, "grad_clip": train.get("grad_clip"), "momentum": optimizer.get("momentum", 0.9),
                "weight_decay": optimizer.get("weight_decay", 0.0)}
     shape = shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"])
-    recomputed = costmodel.Cell.recomputed_blocks(shape, train.get("recompute"), train.get("recompute_layers"))
-    return costmodel.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"),
+    recomputed = costs.Cell.recomputed_blocks(shape, train.get("recompute"), train.get("recompute_layers"))
+    return costs.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"),
                           options, micro_batch=train.get("micro_batch"), recomputed=recomputed)
 
 
-def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costmodel.Prediction | None:
+def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costs.Prediction | None:
     """The model's prediction for one cell of the matrix (None where the framework has no model)."""
     try:
-        return costmodel.predict(recipe_cell(workload, framework, gpus, scale, sets))
+        return costs.predict(recipe_cell(workload, framework, gpus, scale, sets))
     except KeyError:
         return None
 
@@ -46,7 +47,7 @@ def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets
 def matrix_predictions(workload: str, scale: str = "paper") -> list[dict[str, Any]]:
     """One row per modelled Table 2 cell of `workload` at `scale`: row name, framework, GPUs, the model's
     cell and its prediction."""
-    from repro.table2 import load_matrix
+    from repro.matrix import load_matrix
 
     matrix = load_matrix()
     out = []
@@ -60,9 +61,9 @@ def matrix_predictions(workload: str, scale: str = "paper") -> list[dict[str, An
     return out
 
 
-def row_cell(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None) -> costmodel.Cell | None:
+def row_cell(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None) -> costs.Cell | None:
     """The model's cell of a Table 2 row at `gpus` (None: no such row); `matrix`: table2.yaml, loaded if not given."""
-    from repro.table2 import load_matrix
+    from repro.matrix import load_matrix
 
     matrix = matrix or load_matrix()
     plan = matrix.scales[scale]
@@ -73,13 +74,13 @@ def row_cell(workload: str, row_name: str, gpus: int, scale: str = "paper", matr
 
 
 def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None,
-                cell: costmodel.Cell | None = None) -> costmodel.Prediction | None:
+                cell: costs.Cell | None = None) -> costs.Prediction | None:
     """The model's prediction for a Table 2 row's cell at `scale` (None: not modelled, or the row's
     settings do not split `gpus`, such as tp=4 on 2 GPUs); `matrix`: table2.yaml, loaded if not given;
     `cell`: the row's, where the caller has it."""
     cell = cell or row_cell(workload, row_name, gpus, scale, matrix)
     try:
-        return None if cell is None else costmodel.predict(cell)
+        return None if cell is None else costs.predict(cell)
     except (KeyError, ValueError, ZeroDivisionError):
         return None
 
@@ -108,13 +109,13 @@ def as_options(sets: Sequence[str]) -> str:
     return " ".join(f"--set {text}" for text in sets)
 
 
-def fit(cell: costmodel.Cell, capacity: float) -> Fit:
+def fit(cell: costs.Cell, capacity: float) -> Fit:
     """The least recompute, then the largest micro-batch, under which `cell`'s predicted peak per GPU is at
     most `capacity` bytes, trying only what the cell's framework applies (its plan's recompute_modes and
     accumulates). Recompute runs each recomputed block's forward again, so no recompute with micro-batches
     comes first, then recompute of the fewest blocks (from the first), each with the largest micro-batch."""
     plan = registry.plan_class(cell.framework)
-    as_written = costmodel.predict(cell).fit_bytes
+    as_written = costs.predict(cell).fit_bytes
     if as_written <= capacity:
         return Fit((), as_written, as_written)
     recomputes = bool(set(plan.recompute_modes) & set(MODELLED_RECOMPUTE))
@@ -123,7 +124,7 @@ def fit(cell: costmodel.Cell, capacity: float) -> Fit:
                                         f"{plan.memory_settings_refused_because}")
     # no setting lowers model state (micro-batches only add ZeRO-2's accumulated partition): checked first,
     # so a cell of 10^8 layers is neither listed nor searched block by block
-    state = costmodel.predict(dataclasses.replace(cell, micro_batch=None, recomputed=0)).model_state
+    state = costs.predict(dataclasses.replace(cell, micro_batch=None, recomputed=0)).model_state
     if state > capacity:
         return Fit((), None, as_written, f"over even with every setting: model state alone is {state / 2**30:.2f} GiB")
     blocks = len(cell.shape.blocks()) if recomputes else 0
@@ -131,15 +132,15 @@ def fit(cell: costmodel.Cell, capacity: float) -> Fit:
     recomputed = least_recompute(cell, micro[-1], blocks, capacity)
     for size in micro if recomputed is not None else ():
         chosen = dataclasses.replace(cell, recomputed=recomputed, micro_batch=size)
-        peak = costmodel.predict(chosen).fit_bytes
+        peak = costs.predict(chosen).fit_bytes
         if peak <= capacity:
             return Fit(overrides(cell, chosen), peak, as_written)
     smallest = dataclasses.replace(cell, recomputed=blocks, micro_batch=micro[-1])
-    peak = costmodel.predict(smallest).fit_bytes
+    peak = costs.predict(smallest).fit_bytes
     return Fit((), None, as_written, f"over even with {as_options(overrides(cell, smallest))}: {peak / 2**30:.2f} GiB")
 
 
-def micro_batches(cell: costmodel.Cell, plan: type) -> list[int | None]:
+def micro_batches(cell: costs.Cell, plan: type) -> list[int | None]:
     """The micro-batch sizes `plan` can train `cell` with, largest first (None: the whole batch in one pass)."""
     batch = cell.batch_per_gpu
     if not plan.accumulates:
@@ -147,13 +148,13 @@ def micro_batches(cell: costmodel.Cell, plan: type) -> list[int | None]:
     return [None if m == batch else m for m in range(batch, 0, -1) if batch % m == 0]
 
 
-def least_recompute(cell: costmodel.Cell, micro_batch: int | None, blocks: int, capacity: float) -> int | None:
+def least_recompute(cell: costs.Cell, micro_batch: int | None, blocks: int, capacity: float) -> int | None:
     """The fewest blocks recomputed (0 to `blocks`) under which `cell` at its smallest micro-batch fits
     `capacity` (None: not even all). Bisection: the peak falls as more blocks are recomputed, each keeping
     its input alone instead of its whole set, and the recomputed one's set once (docs/memory.md)."""
     def fits(recomputed: int) -> bool:
         candidate = dataclasses.replace(cell, recomputed=recomputed, micro_batch=micro_batch)
-        return costmodel.predict(candidate).fit_bytes <= capacity
+        return costs.predict(candidate).fit_bytes <= capacity
 
     if fits(0):
         return 0
@@ -166,7 +167,7 @@ def least_recompute(cell: costmodel.Cell, micro_batch: int | None, blocks: int, 
     return high
 
 
-def overrides(start: costmodel.Cell, chosen: costmodel.Cell) -> tuple[str, ...]:
+def overrides(start: costs.Cell, chosen: costs.Cell) -> tuple[str, ...]:
     """The --set overrides that turn the recipe of `start` into that of `chosen` (same cell otherwise)."""
     sets, blocks, batch = [], len(start.shape.blocks()), start.batch_per_gpu
     if chosen.recomputed != start.recomputed:
@@ -230,6 +231,6 @@ def paper_fit(peak: float, model_state: float) -> str:
 
 def quoted(values: list[str]) -> str:
     """How findings mark a predicted figure: a prediction of a model checked at smoke scale, not a measurement."""
-    bounds = ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costmodel.BOUNDS.items())
+    bounds = ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costs.BOUNDS.items())
     return (f"predicted by the cost model (checked against counted smoke runs to {bounds}; "
             f"16-bit activations unchecked): {'; '.join(values)}")

@@ -1,4 +1,4 @@
-"""The cost model's terms (repro.costmodel): what it knows of a run (Cell), what it predicts (Prediction),
+"""The cost model's terms (repro.model.costs): what it knows of a run (Cell), what it predicts (Prediction),
 byte sizes, and the terms every framework's model shares: optimizer state, a whole model's activations,
 layers split into stages. No torch.
 """

@@ -16,7 +16,7 @@ Communication is the payload a rank hands to its process group per step, per kin
 repro.communication counts). What a ring moves on the wire follows from it (`wire_bytes`).
 
 Here: the data-parallel and tensor-parallel models, and the front (`predict`, `compare`); the pipelines'
-models are in repro.costmodel_pipelines, the terms all share (Cell, Prediction) in repro.costmodel_terms.
+models are in repro.model.pipelines, the terms all share (Cell, Prediction) in repro.model.terms.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import importlib.util
 import math
 from typing import Any
 
-from repro.costmodel_pipelines import busiest, pipedream, torch_pipeline, torchgpipe
-from repro.costmodel_terms import ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, optimizer_bytes
+from repro.model.pipelines import busiest, pipedream, torch_pipeline, torchgpipe
+from repro.model.terms import ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, optimizer_bytes
 from repro.shapes import INT64, GPT2Shape, VGG16Shape, dim0_sharded, flat_sharded, parameters, shape_of, tensor_at, tensor_count
 
 DEEPSPEED_ALIGNMENT = 2  # deepspeed/runtime/zero/stage_1_and_2.py: nccl_start_alignment_factor (x dp size)

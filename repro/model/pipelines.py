@@ -1,11 +1,11 @@
-"""The cost model of the pipelines (repro.costmodel): torchgpipe, PyTorch's pipeline schedules and
+"""The cost model of the pipelines (repro.model.costs): torchgpipe, PyTorch's pipeline schedules and
 PipeDream. Per stage the layers it holds; per step what crosses each cut between stages. No torch.
 """
 from __future__ import annotations
 
 import heapq
 
-from repro.costmodel_terms import (
+from repro.model.terms import (
     ACTIVATION_ELEMENT, FP32, Cell, Prediction, even_balance, optimizer_bytes, split,
 )
 from repro.partition import balance

@@ -1,0 +1,10 @@
+"""The cost model: what a run holds, sends and costs per GPU, in closed form from its recipe, with no torch.
+
+    terms      what the model knows of a run (Cell) and what it says of it (Prediction); shared terms
+    costs      bytes held and sent by the data- and tensor-parallel frameworks; the front (predict, compare)
+    pipelines  the same for torchgpipe, PyTorch's pipeline schedules and PipeDream, stage by stage
+    predict    the model over the Table 2 matrix's recipes: `repro predict`, --fit, the paper-scale figures
+
+Its derivations are in docs/memory.md; tests/test_costmodel.py and reports/model_check.* hold it
+against the counters.
+"""
