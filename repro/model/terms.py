@@ -81,36 +81,51 @@ def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
     return per_element * elements + per_tensor * tensor_count
 
 
+def autocasts(cell: Cell) -> bool:
+    """Whether a 16-bit cell computes under torch.autocast over fp32 weights (repro/adapters/base.py
+    `autocast`; ZeRO through DeepSpeed's torch_autocast): all but FSDP, whose MixedPrecisionPolicy casts
+    the parameters themselves (repro/adapters/fsdp.py), and Megatron on GPUs (`megatron_activations`)."""
+    return cell.precision != "fp32" and cell.framework != "fsdp"
+
+
 def activations(cell: Cell, batch: int) -> int | None:
     """Activation peak of the whole model on one GPU, `batch` samples a step (docs/memory.md): without
     recompute the sum of what each layer saves for backward (reached at the end of the forward), with
     full recompute `recomputed_peak`; with micro-batches, one micro-batch's, but the first layer's input
-    and the loss's targets are views of the whole batch, whose storage they keep (`batch_views`)."""
-    element = ACTIVATION_ELEMENT[cell.precision]
+    and the loss's targets are views of the whole batch, whose storage they keep (`batch_views`; under
+    autocast the images are cast to a copy of the micro-batch, unless a checkpoint saves them first)."""
+    element, autocast = ACTIVATION_ELEMENT[cell.precision], autocasts(cell)
     mask, micro = element if cell.device == "cpu" else 1, cell.micro_batch or batch
-    inputs, targets = (whole - part for whole, part in zip(cell.shape.batch_views(batch), cell.shape.batch_views(micro)))
+    cast_inputs = autocast and not cell.recomputed  # the first block's checkpoint saves the raw input
+    inputs, targets = (whole - part for whole, part in zip(cell.shape.batch_views(batch, cast_inputs),
+                                                           cell.shape.batch_views(micro, cast_inputs)))
     if not cell.recomputed:
-        return cell.shape.activation_bytes(micro, element, mask) + inputs + targets
-    return recomputed_peak(cell.shape, cell.shape.blocks()[: cell.recomputed], micro, element, mask, (inputs, targets))
+        return cell.shape.activation_bytes(micro, element, mask, autocast) + inputs + targets
+    return recomputed_peak(cell.shape, cell.shape.blocks()[: cell.recomputed], micro, element, mask, (inputs, targets),
+                           autocast)
 
 
 def recomputed_peak(shape: GPT2Shape | VGG16Shape, blocks: list[tuple[int, int]], batch: int, element: int, mask: int,
-                    views: tuple[int, int]) -> int:
+                    views: tuple[int, int], autocast: bool = False) -> int:
     """Activation peak with `blocks` (layer ranges) under full recompute (torch.utils.checkpoint, docs/memory.md
     "Recompute"): the forward keeps each block's input (the checkpoint) and what the other layers save, the
     loss included; backward frees the layers after a block before it recomputes the block, whose whole set
     (its input included) is then held beside everything saved before it. The peak is the larger of the end
     of the forward and the largest of those moments. `views`: what the batch's input and targets keep
-    beyond the micro-batch's (the input's at every moment, the targets' with the loss only)."""
+    beyond the micro-batch's (the input's at every moment, the targets' with the loss only). Under
+    `autocast` a recomputation casts the block's weights again (in its set) and a checkpoint is the
+    block's input as it arrives (GPT-2's fp32 residual stream; the raw images)."""
     outputs = shape.output_elements(batch)
+    width = shape.block_output_width(element, autocast)
     edges = [0, *(edge for block in blocks for edge in block), len(outputs)]
     before, recomputing = 0, 0  # held by the ranges so far (at the forward's end); the largest recomputation moment
     for index, (start, stop) in enumerate(zip(edges, edges[1:])):
         if index % 2 == 0:  # the layers between blocks, as one range (a layer may save its predecessor's output)
-            before += shape.stage_activation_bytes(start, stop, batch, element, mask) if stop > start else 0
+            before += shape.stage_activation_bytes(start, stop, batch, element, mask, autocast=autocast) if stop > start else 0
             continue
-        recomputing = max(recomputing, before + shape.stage_activation_bytes(start, stop, batch, element, mask))
-        before += element * outputs[start - 1] if start else shape.batch_views(batch)[0]  # the block's checkpoint
+        recomputing = max(recomputing, before + shape.stage_activation_bytes(start, stop, batch, element, mask,
+                                                                              autocast=autocast))
+        before += width * outputs[start - 1] if start else shape.batch_views(batch)[0]  # the block's checkpoint
     return max(before + views[1], recomputing) + views[0]
 
 
