@@ -62,6 +62,12 @@ class GPT2Shape:
         """The head's weight, shared with the token embedding (a copy where a pipeline unties it)."""
         return self.vocab * self.d_model
 
+    def linear_elements(self) -> int:
+        """Parameter elements of the nn.Linear modules (the blocks' four, weights and biases; the head is a
+        functional linear on the embedding's weight)."""
+        d = self.d_model
+        return self.n_layer * (12 * d * d + 9 * d)
+
     def activation_bytes(self, batch: int, element: int = 4, mask: int = 1, autocast: bool = False) -> int:
         """The whole model's `layer_activations`, summed in closed form."""
         embedding, block, head = self.layer_activations(batch, element, mask, layers=1, autocast=autocast)
@@ -103,6 +109,13 @@ class GPT2Shape:
         targets and the total weight."""
         tokens = batch * self.seq_len
         return 4 * tokens * self.vocab + INT64 * tokens + 4
+
+    def loss_backward_bytes(self, batch: int) -> int:
+        """What the loss's backward holds beyond what it saved, at its largest moment: nll_loss's backward
+        makes a dense gradient of the log-softmax output and log_softmax's backward one of its input, each
+        tokens x vocabulary fp32, beside the saved log-softmax output (tools/autograd/derivatives.yaml:
+        nll_loss_forward, _log_softmax)."""
+        return 2 * FP32 * batch * self.seq_len * self.vocab
 
     def stage_starts(self) -> list[bool]:
         return [True] * (self.n_layer + 2)
@@ -204,6 +217,10 @@ class VGG16Shape:
     def tied_elements(self) -> int:
         return 0
 
+    def linear_elements(self) -> int:
+        """Parameter elements of the nn.Linear and nn.Conv2d modules: all of them."""
+        return parameters(self)
+
     def stage_activation_bytes(self, start: int, stop: int, batch: int, element: int = 4, mask: int = 1,
                                keep_input: bool = False, autocast: bool = False) -> int:
         """Bytes layers start..stop-1 save for backward at `batch` images, as distinct storages (PyTorch's
@@ -249,6 +266,11 @@ class VGG16Shape:
     def loss_bytes(self, batch: int) -> int:
         """What the loss saves: the fp32 log-softmax, the int64 targets and the total weight."""
         return 4 * batch * self.classes + INT64 * batch + 4
+
+    def loss_backward_bytes(self, batch: int) -> int:
+        """What the loss's backward holds beyond what it saved (GPT2Shape.loss_backward_bytes): two fp32
+        gradients of images x classes."""
+        return 2 * FP32 * batch * self.classes
 
     def batch_views(self, batch: int, autocast: bool = False) -> tuple[int, int]:
         """Bytes of what the first layer saves of the input batch (the fp32 images) and the loss of the

@@ -87,6 +87,7 @@ def test_ring_wire_bytes():
 
 
 # -- measured against modelled ----------------------------------------------------------------------
+BF16 = "train.precision=bf16"
 # (framework, processes, --set overrides[, workload]): every modelled framework at 2 and 4 processes, and
 # one change of a ZeRO bucket and of a tp degree at the same process count
 CELLS = {
@@ -132,6 +133,16 @@ CELLS = {
     "zero1-2-micro": ("zero", 2, ["zero.stage=1", "train.micro_batch=2"]),
     "zero3-2-micro": ("zero", 2, ["zero.stage=3", "train.micro_batch=2"]),
     "zero-4-micro": ("zero", 4, ["train.micro_batch=4"]), "zero3-2-recompute": ("zero", 2, ["zero.stage=3", "train.recompute=full"]),
+    # 16-bit (issue 39): DDP and ZeRO under torch.autocast (fp32 residual stream and layer norms, the weights'
+    # 16-bit copies; ZeRO reduces the linear layers' gradients in 16 bits, in a bucket of their own), FSDP with
+    # bf16 parameters (no autocast); a shape no other cell has, with recompute and micro-batches
+    "ddp-2-bf16": ("ddp", 2, [BF16]), "zero-2-bf16": ("zero", 2, [BF16]), "fsdp-2-bf16": ("fsdp", 2, [BF16]),
+    "zero1-2-bf16-micro": ("zero", 2, [BF16, "zero.stage=1", "train.micro_batch=2"]),
+    "ddp-2-vgg16-bf16": ("ddp", 2, [BF16], "vgg16"), "zero-2-vgg16-bf16": ("zero", 2, [BF16], "vgg16"),
+    "fsdp-2-vgg16-bf16": ("fsdp", 2, [BF16], "vgg16"),
+    "ddp-2-bf16-odd-shape": ("ddp", 2, [BF16, "model.n_layer=3", "model.d_model=96", "model.n_head=6", "model.seq_len=32",
+                                        "train.recompute=full", "train.recompute_layers=2", "train.micro_batch=4"]),
+    "ddp-2-vgg16-bf16-recompute-micro": ("ddp", 2, [BF16, "train.recompute=full", "train.micro_batch=4"], "vgg16"),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
 # counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.
@@ -231,6 +242,36 @@ def test_vgg16_activations_equal_the_counter(spec, classes, batch):
     loss.backward()
     shape = VGG16Shape.from_model(spec, "digits" if classes == 10 else "imagenet")
     assert counter.peak_bytes == shape.activation_bytes(batch, 4, mask=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("spec,batch", [
+    (GPT2Spec(4, 64, 4, 64, "bytes", 0.0), 8),  # the smoke recipe
+    (GPT2Spec(3, 96, 6, 32, "bytes", 0.0), 5),  # a shape no recipe has
+    (VGG16Spec(8, 128, 1, 32, 0.0), 16),
+    (VGG16Spec(16, 256, 7, 64, 0.5), 2),  # dropout on 16-bit outputs (CPU: 16-bit masks), a pooled classifier input
+], ids=["gpt2-smoke", "gpt2-odd", "vgg16-smoke", "vgg16-pooled-dropout"])
+@pytest.mark.units
+def test_autocast_activations_equal_the_counter(spec, batch, dtype):
+    """Under torch.autocast (16-bit compute over fp32 weights, as DDP and ZeRO run bf16 and fp16) the model's
+    activations equal the counter to the byte: GPT-2's fp32 residual stream and layer norms, attention's fp32
+    log-sum-exp, every matmul weight's 16-bit copy; the same byte widths for bf16 and fp16."""
+    from repro.activation import Counter
+
+    torch.manual_seed(0)
+    gpt2 = isinstance(spec, GPT2Spec)
+    model, counter = build_gpt2(spec) if gpt2 else build_vgg16(spec, 1000), Counter()
+    if gpt2:
+        inputs, targets = (torch.randint(spec.vocab_size, (batch, spec.seq_len)) for _ in range(2))
+    else:
+        inputs, targets = torch.randn(batch, 3, spec.image_size, spec.image_size), torch.randint(1000, (batch,))
+    with counter.hooks(), torch.autocast("cpu", dtype=dtype):
+        output = model(inputs)
+        loss = torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]).float(), targets.reshape(-1))
+    loss.backward()
+    shape = GPT2Shape.from_model(spec) if gpt2 else VGG16Shape.from_model(spec, "imagenet")
+    assert counter.peak_bytes == shape.activation_bytes(batch, 2, mask=2, autocast=True)
+    assert counter.peak_bytes > shape.activation_bytes(batch, 2, mask=2) * 1.1  # what the model held before: 10-20% short
 
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["in-place", "out-of-place"])

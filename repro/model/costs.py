@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from repro.model.pipelines import busiest, pipedream, torch_pipeline, torchgpipe
-from repro.model.terms import ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, optimizer_bytes
+from repro.model.terms import ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, loss_transient, optimizer_bytes
 from repro.shapes import INT64, GPT2Shape, VGG16Shape, dim0_sharded, flat_sharded, parameters, shape_of, tensor_at, tensor_count
 
 DEEPSPEED_ALIGNMENT = 2  # deepspeed/runtime/zero/stage_1_and_2.py: nccl_start_alignment_factor (x dp size)
@@ -76,15 +76,28 @@ def zero(cell: Cell) -> Prediction:
     psi, count = parameters(cell.shape), tensor_count(cell.shape)
     part = zero_partition(psi, n)
     bucket = min(cell.option("reduce_bucket_size", 500_000_000), psi)
+    reduced, buckets = autocast_reduction(cell, psi)
     grads = FP32 * (psi if stage == 1 else part + straddling(cell.shape, part, n) + held_whole(cell.shape, bucket))
-    grads += FP32 * bucket + FP32
+    grads += FP32 * bucket * buckets + FP32
     if stage == 2 and k > 1:
         grads += FP32 * (part + straddling(cell.shape, part, n))  # the accumulated gradients of the partition's parameters
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
-    comm = {"all_reduce": FP32 * psi * (k if stage == 2 else 1) + FP32}
+    comm = {"all_reduce": reduced * (k if stage == 2 else 1) + FP32}
     if n > 1:
         comm["all_gather"] = FP32 * part
     return Prediction(FP32 * part * n, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
+
+
+def autocast_reduction(cell: Cell, psi: int) -> tuple[int, int]:
+    """(bytes of every gradient as ZeRO 1-2 reduces them, reduction buckets): under DeepSpeed's torch_autocast
+    (the adapter's 16-bit path) the parameters of nn.Linear and nn.Conv modules reduce their gradients in the
+    autocast dtype, the others in fp32 (deepspeed/runtime/torch_autocast.py, `init_autocast_params`), and
+    each dtype has its own bucket of reduce_bucket_size fp32 elements (stage_1_and_2.py, `ipg_buckets`,
+    `setup_buckets`)."""
+    if cell.precision == "fp32":
+        return FP32 * psi, 1
+    low = cell.shape.linear_elements()
+    return FP32 * (psi - low) + ACTIVATION_ELEMENT[cell.precision] * low, 1 if low == psi else 2
 
 
 ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance (elements), which the adapter leaves as is
@@ -270,11 +283,20 @@ MODELS = {"ddp": ddp, "zero": zero, "fsdp": fsdp, "megatron": megatron, "torchgp
           "torch-pipeline": torch_pipeline, "pipedream": pipedream}
 
 
+# the frameworks whose rank runs torch's cross entropy on the whole model's output (`loss_transient`); Megatron's
+# vocabulary-parallel loss computes its gradient in place of its saved softmax (tensor_parallel/cross_entropy.py),
+# and a pipeline's loss is on its last stage, not always the busiest rank's: not modelled there
+WHOLE_LOSS = ("ddp", "zero", "fsdp")
+
+
 def predict(cell: Cell) -> Prediction:
     """The model of `cell`'s framework; KeyError naming the modelled ones when it has none."""
     if cell.framework not in MODELS:
         raise KeyError(f"no cost model for {cell.framework!r}; modelled: {', '.join(MODELS)}")
-    return MODELS[cell.framework](cell)
+    prediction = MODELS[cell.framework](cell)
+    if cell.framework in WHOLE_LOSS and prediction.activations is not None:
+        return dataclasses.replace(prediction, transient=loss_transient(cell))
+    return prediction
 
 
 def wire_bytes(kind: str, payload: int, group: int) -> float:

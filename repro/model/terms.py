@@ -54,6 +54,7 @@ class Prediction:
     optimizer: int
     activations: int | None  # None: not modelled for this framework and workload
     comm: dict[str, int]
+    transient: int = 0  # held beyond model state and activations at the step's largest moment (`loss_transient`)
 
     @property
     def model_state(self) -> int:
@@ -70,8 +71,9 @@ class Prediction:
 
     @property
     def fit_bytes(self) -> int:
-        """What a device must hold: the estimated peak, or the model state where activations are not modelled."""
-        return self.model_state if self.estimated_peak is None else self.estimated_peak
+        """What a device must hold: the estimated peak and the transient, or the model state where activations
+        are not modelled."""
+        return self.model_state if self.estimated_peak is None else self.estimated_peak + self.transient
 
 
 def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
@@ -88,17 +90,28 @@ def autocasts(cell: Cell) -> bool:
     return cell.precision != "fp32" and cell.framework != "fsdp"
 
 
-def activations(cell: Cell, batch: int) -> int | None:
+def loss_transient(cell: Cell) -> int:
+    """Bytes the loss's backward holds for a moment beyond the model state and the activation peak
+    (shapes' `loss_backward_bytes`, per micro-batch): it runs first in backward, while everything the
+    forward saved is held, so it adds in full to the forward's end; with full recompute, where a block's
+    recomputation is the activation peak, only what the forward's end plus it exceeds that by. What a GPU's
+    allocator sees at its peak (docs/memory.md, "16-bit activations"), not what the CPU counters count."""
+    return activations(cell, cell.batch_per_gpu, loss_backward=True) - activations(cell, cell.batch_per_gpu)
+
+
+def activations(cell: Cell, batch: int, loss_backward: bool = False) -> int | None:
     """Activation peak of the whole model on one GPU, `batch` samples a step (docs/memory.md): without
     recompute the sum of what each layer saves for backward (reached at the end of the forward), with
     full recompute `recomputed_peak`; with micro-batches, one micro-batch's, but the first layer's input
     and the loss's targets are views of the whole batch, whose storage they keep (`batch_views`; under
-    autocast the images are cast to a copy of the micro-batch, unless a checkpoint saves them first)."""
+    autocast the images are cast to a copy of the micro-batch, unless a checkpoint saves them first);
+    `loss_backward`: with the loss's backward at its largest moment (`loss_transient`)."""
     element, autocast = ACTIVATION_ELEMENT[cell.precision], autocasts(cell)
     mask, micro = element if cell.device == "cpu" else 1, cell.micro_batch or batch
     cast_inputs = autocast and not cell.recomputed  # the first block's checkpoint saves the raw input
     inputs, targets = (whole - part for whole, part in zip(cell.shape.batch_views(batch, cast_inputs),
                                                            cell.shape.batch_views(micro, cast_inputs)))
+    targets += cell.shape.loss_backward_bytes(micro) if loss_backward else 0  # with the loss, as its targets
     if not cell.recomputed:
         return cell.shape.activation_bytes(micro, element, mask, autocast) + inputs + targets
     return recomputed_peak(cell.shape, cell.shape.blocks()[: cell.recomputed], micro, element, mask, (inputs, targets),
