@@ -9,8 +9,10 @@ source). No term copies a measured number: `tests/test_costmodel.py` and `report
 the model against the counters (repro.metrics.model_state, repro.activation, repro.communication).
 
 Sizes are in bytes. Weights, gradients and optimizer state are fp32 under every precision the kit uses
-(autocast keeps fp32 weights), so model state does not depend on precision; activations in 16-bit
-precision use 2-byte elements, unchecked until a GPU run (smoke runs are fp32).
+(autocast keeps fp32 weights), so model state depends on precision only through ZeRO's buckets
+(`autocast_reduction`); activations in 16-bit precision use 2-byte elements (bf16 and fp16 alike) where
+autocast computes in 16 bits and fp32 where it does not (repro.model.terms.autocasts; docs/memory.md,
+"16-bit activations"), counted on CPU; Megatron's own bf16 is unchecked until a GPU run.
 
 Communication is the payload a rank hands to its process group per step, per kind of operation (what
 repro.communication counts). What a ring moves on the wire follows from it (`wire_bytes`).
@@ -63,6 +65,8 @@ def zero(cell: Cell) -> Prediction:
     such a parameter's gradient whole; the busiest rank counts), plus the gradient that completes last in
     backward when it is larger than the bucket (`held_whole`), plus one fp32 scalar the ZeRO
     optimizer holds at the end of backward (seen among its tensors, not identified further).
+    Under autocast one bucket per reduction dtype, and the linear layers' gradients are reduced in 16 bits
+    (`autocast_reduction`).
     Communication (DeepSpeed's `average_tensor`/`reduce_ipg_grads`; stage 1 reduces the same buckets,
     its contiguous-gradient hooks on): every gradient bucket is reduced (on gloo the reduce-scatter runs
     as an all-reduce of the bucket: the whole gradient), the gradient norm is all-reduced (one fp32),

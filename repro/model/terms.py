@@ -54,7 +54,7 @@ class Prediction:
     optimizer: int
     activations: int | None  # None: not modelled for this framework and workload
     comm: dict[str, int]
-    transient: int = 0  # held beyond model state and activations at the step's largest moment (`loss_transient`)
+    transient: int | None = None  # held beyond model state and activations at the step's largest moment (`loss_transient`); None: not modelled
 
     @property
     def model_state(self) -> int:
@@ -66,14 +66,15 @@ class Prediction:
 
     @property
     def estimated_peak(self) -> int | None:
-        """Model state + activations: what the CPU stand-ins measure as `memory/estimated_peak_bytes`."""
-        return None if self.activations is None else self.model_state + self.activations
+        """Model state + activations + the transient: what a GPU's allocator holds at the step's largest
+        moment (the CPU stand-ins' `memory/estimated_peak_bytes` counts the first two: the counters see
+        no transient)."""
+        return None if self.activations is None else self.model_state + self.activations + (self.transient or 0)
 
     @property
     def fit_bytes(self) -> int:
-        """What a device must hold: the estimated peak and the transient, or the model state where activations
-        are not modelled."""
-        return self.model_state if self.estimated_peak is None else self.estimated_peak + self.transient
+        """What a device must hold: the estimated peak, or the model state where activations are not modelled."""
+        return self.model_state if self.estimated_peak is None else self.estimated_peak
 
 
 def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
