@@ -122,6 +122,8 @@ class Delivery:
                 self.state.save(self.run_dir)
         for key, value in outcome.tags.items():
             self.run().set_tag(key, value)
+        if outcome.metrics:
+            self.run().log_values(outcome.metrics)
         self.run().end(outcome.status, outcome.error)
         self.state.ended, self.state.undelivered = outcome.status, None
         self.state.save(self.run_dir)

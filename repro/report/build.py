@@ -30,7 +30,7 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     paths += tables.write_all(folder, "results", tables.result_rows(results), tables.RESULT_COLUMNS)
     paths += figures.all_figures(results, folder)
     checked = model_check.checks(results)
-    paths += model_check.write(folder, checked, uri)
+    paths += model_check.write(folder, checked)
     predict = predict or model_check.paper_predictor(checked)
     (parity, partings), cores = read_parity(folder), cores or cpu_cores()
     verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict, partings=partings)

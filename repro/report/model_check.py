@@ -3,8 +3,8 @@
 For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes)
 and payload per step (comm/bytes_per_step), busiest rank, against repro.model.costs's figure for the
 cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
-framework has no model, or a quantity the model leaves open, says so instead of a verdict. The model's
-figure and error are also logged on the cell's own MLflow run (names.MODEL_CHECK).
+framework has no model, or a quantity the model leaves open, says so instead of a verdict. Each run
+logged the same check on its own MLflow run when it ended (names.MODEL_CHECK: repro.model.check).
 """
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from repro import names
-from repro.model import costs
+from repro.model import check as model_check, costs
 from repro.report.collect import Result
 from repro.report.evidence import Prediction, Predictor
 
@@ -23,12 +22,8 @@ QUANTITY_METRIC = {"model_state": "model_state_bytes", "activations": "activatio
 def check(result: Result) -> dict[str, Any]:
     """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none."""
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
-    try:
-        prediction = costs.predict(costs.cell_of(result.cell.recipe, result.facts))
-    except (KeyError, ValueError) as error:
-        return {**out, "why": f"not modelled: {error.args[0]}"}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
-    return {**out, "rows": costs.compare(prediction, measured)}
+    return {**out, **model_check.check(result.cell.recipe, result.facts, measured)}
 
 
 def checks(results: list[Result]) -> list[dict[str, Any]]:
@@ -83,24 +78,7 @@ def fmt(value: float | None) -> str:
     return "" if value is None else f"{int(value):,}"
 
 
-def write(folder: Path, checked: list[dict[str, Any]], uri: str | None = None) -> list[Path]:
-    """Write the report of `checks` and, with `uri`, log each cell's modelled figures and errors on its run."""
+def write(folder: Path, checked: list[dict[str, Any]]) -> list[Path]:
     (folder / "model_check.md").write_text(markdown(checked))
     (folder / "model_check.json").write_text(json.dumps(checked, indent=2))
-    if uri:
-        log(uri, checked)
     return [folder / "model_check.md", folder / "model_check.json"]
-
-
-def log(uri: str, checked: list[dict[str, Any]]) -> None:
-    from repro import tracking
-
-    for cell in checked:
-        values = {}
-        for row in cell.get("rows", []):
-            if row["modelled"] is not None:
-                values[names.MODEL_CHECK.format(row["quantity"], "bytes")] = row["modelled"]
-            if row["error"] is not None:
-                values[names.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
-        if values:
-            tracking.Run.connect(uri, cell["run_id"]).log_values(values)
