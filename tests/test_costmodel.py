@@ -125,6 +125,8 @@ CELLS = {
     "ddp-2-recompute": ("ddp", 2, ["train.recompute=full"]), "ddp-2-micro": ("ddp", 2, ["train.micro_batch=2"]),
     "ddp-2-recompute2-micro": ("ddp", 2, ["train.recompute=full", "train.recompute_layers=2", "train.micro_batch=4"]),
     "ddp-2-vgg16-recompute-micro": ("ddp", 2, ["train.recompute=full", "train.micro_batch=4"], "vgg16"),
+    # with dropout, CPU attention runs SDPA's math path, which keeps its probabilities (GPT2Shape.math_attention)
+    "ddp-2-dropout-recompute-micro": ("ddp", 2, ["model.dropout=0.1", "train.recompute=full", "train.micro_batch=2"]),
     "torchgpipe-2-always": ("torchgpipe", 2, ["torchgpipe.checkpoint=always"]),
     # ZeRO: stage 1 reduces once at the accumulation boundary; stage 2 every micro-batch, keeping the partition's
     # accumulated gradients beside; stage 3 gathers and reduces every micro-batch
