@@ -12,7 +12,9 @@ cost"): VGG-16's 16 layers with parameters were 16 units before, now 8.
 Recipe section `fsdp:` chooses the sharding strategy (full: reshard after forward, ZeRO-3;
 grad-op: keep parameters gathered from forward to backward, ZeRO-2-like traffic; hybrid: shard
 within groups of gpus/replicas ranks and replicate across the groups, HSDP) and the dtype of the
-gradient reduction; parameters compute in train.precision.
+gradient reduction; parameters compute in train.precision. fp16 scales the loss dynamically
+(Adapter.loss_scaler: torch's ShardedGradScaler, which unscales the DTensor gradient shards and agrees
+on an overflow over all ranks, skipping the step everywhere).
 
 Checkpoints are PyTorch's distributed checkpoint (`torch.distributed.checkpoint`), as FSDP2's users
 write them: the sharded state dicts of model and optimizer (DTensors), every rank writing its own
@@ -71,6 +73,7 @@ class FSDPAdapter(FSDPPlan, Adapter):
         # foreach takes a few operations for all of them. Same arithmetic, bit for bit (docs/measurement.md
         # "FSDP's cost"); not for timm's LAMB, whose foreach path rounds differently (repro.optim).
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters(), foreach=True)
+        self.scaler = self.loss_scaler()
 
     def facts(self) -> dict[str, Any]:
         """The units below the root, each as the types of its layers with parameters."""
@@ -106,9 +109,11 @@ class FSDPAdapter(FSDPPlan, Adapter):
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.ctx.workload.loss(self.model(inputs), targets)
-        loss.backward()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
         self.clip_gradients(self.model.parameters())
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         return self.shard_loss(loss)
 
     def model_state_bytes(self) -> dict[str, int]:
@@ -125,7 +130,7 @@ class FSDPAdapter(FSDPPlan, Adapter):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optimizer}
+        return {"model": model, "optimizer": optimizer, "scaler": self.scaler.state_dict()}  # fp16's scale (else empty)
 
     def save_checkpoint(self, folder: Path) -> None:
         """Every rank writes its shards (plus rank 0 the replicated entries) with torch.distributed.checkpoint."""
@@ -141,3 +146,4 @@ class FSDPAdapter(FSDPPlan, Adapter):
         state = self.sharded_state()
         dcp.load(state, checkpoint_id=folder / CHECKPOINT_FOLDER)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])

@@ -46,13 +46,6 @@ class MegatronPlan(FrameworkPlan):
                 f"megatron-core's optimizers are {', '.join(MEGATRON_OPTIMIZERS)}, not {recipe.optimizer().name} "
                 "(LAMB's per-tensor trust ratio would be taken per shard); set megatron.optimizer",
             )
-        if recipe.train.precision == "fp16":
-            raise RecipeError(
-                source, "train.precision",
-                "fp16 needs a loss scale agreed over the tp group: megatron-core's grad scaler has one on GPUs, "
-                "but the CPU path steps torch's optimizer without one, and the GPU path's fp16 is untested; "
-                "use bf16 or fp32",
-            )
 
     @classmethod
     def variant(cls, recipe: Recipe) -> str:
