@@ -3,9 +3,9 @@
 Units: the device -> precision rule, its resolution on a rank and the plan checks run again there, the
 refusals (one line naming train.precision), the cost model's view of auto and of DeepSpeed's fp16 mode,
 the report's settings. Ranks: an inf in one gradient element of one rank skips the step on every rank,
-weights unchanged bit for bit and the scale halved (FSDP2's sharded scaler, Megatron's CPU path); fp16
-runs on this CPU within a stated band of fp32. What needs a GPU is listed in docs/successors.md
-("fp16 and loss scaling").
+weights unchanged bit for bit and the scale halved (FSDP2's sharded scaler); fp16 runs on this CPU (DDP,
+FSDP2, ZeRO) within a stated band of fp32. What needs a GPU is listed in docs/memory.md
+("Precision: fp16, bf16 and auto").
 """
 from __future__ import annotations
 
@@ -66,13 +66,15 @@ def test_a_rank_decides_auto_for_its_device_and_checks_the_result_again(monkeypa
 
 
 @pytest.mark.units
-@pytest.mark.parametrize("framework, precision, reason", [
-    ("torch-pipeline", "fp16", "torch-pipeline runs fp32 or bf16 (no loss scaling across stages)"),
-    ("pipedream", "auto", "pipedream runs fp32 as in the paper; got auto"),
-    ("torchgpipe", "fp16", "torchgpipe runs fp32 as in the paper; got fp16"),
+@pytest.mark.parametrize("framework, sets, reason", [
+    ("torch-pipeline", ["train.precision=fp16"], "torch-pipeline runs fp32 or bf16 (no loss scaling across stages)"),
+    ("pipedream", ["train.precision=auto"], "pipedream runs fp32 as in the paper; got auto"),
+    ("torchgpipe", ["train.precision=fp16"], "torchgpipe runs fp32 as in the paper; got fp16"),
+    ("megatron", ["train.precision=fp16", "run.device=cpu"], "megatron's CPU path runs fp32, not fp16"),
 ])
-def test_a_framework_without_fp16_refuses_it_in_one_line(repro, framework, precision, reason) -> None:
-    result = repro.here("run", "gpt2", "--framework", framework, "--gpus", "2", "--set", f"train.precision={precision}")
+def test_a_framework_without_fp16_refuses_it_in_one_line(repro, framework, sets, reason) -> None:
+    options = [arg for text in sets for arg in ("--set", text)]
+    result = repro.here("run", "gpt2", "--framework", framework, "--gpus", "2", *options)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and f"train.precision: {reason}" in result.stderr
 
@@ -98,6 +100,18 @@ def test_the_report_reads_the_precision_the_ranks_decided() -> None:
     assert from_params({"train.precision": "bf16"}, recipe)["precision"] == "bf16"  # a run from before
 
 
+@pytest.mark.units
+def test_megatron_refuses_16_bit_on_cpu_and_leaves_gpus_to_decide() -> None:
+    from repro.adapters.megatron_plan import MegatronPlan
+
+    with pytest.raises(RecipeError, match="train.precision: megatron's CPU path runs fp32, not bf16"):
+        smoke("run.framework=megatron", "run.device=cpu", "train.precision=bf16")
+    recipe = smoke("run.framework=megatron", "train.precision=fp16")  # run.device auto: a GPU may take it
+    MegatronPlan.check_device(recipe, "gpt2-smoke.yaml", "cuda")
+    with pytest.raises(RecipeError, match="train.precision: megatron's CPU path runs fp32, not fp16"):
+        MegatronPlan.check_device(recipe, "gpt2-smoke.yaml", "cpu")  # what the adapter's setup asks on a rank
+
+
 def overflow(folder: Path, framework: str, gpus: int, *sets: str) -> list[dict]:
     """Each rank's record of tests/overflow_probe.py: a good fp16 step, then rank 1 alone finds an inf."""
     recipe = load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", f"run.gpus={gpus}",
@@ -108,20 +122,16 @@ def overflow(folder: Path, framework: str, gpus: int, *sets: str) -> list[dict]:
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("framework, sets", [
-    ("fsdp", []),  # FSDP2's DTensor shards: rank 0's shards are all finite
-    ("megatron", ["megatron.tp=2"]),  # the CPU path: tp peers hold different slices
-    ("megatron", ["megatron.tp=1"]),  # dp replicas
-])
-def test_an_inf_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(tmp_path, framework, sets) -> None:
-    records = overflow(tmp_path, framework, 2, *sets)
+@pytest.mark.parametrize("sets", [[], ["fsdp.sharding=grad-op"]])
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(tmp_path, sets) -> None:
+    records = overflow(tmp_path, "fsdp", 2, *sets)  # FSDP2's DTensor shards: rank 0's are all finite
     assert [r["unchanged"] for r in records] == [True, True]  # the step skipped everywhere, weights bit for bit
     assert [r["scale_after"] for r in records] == [r["scale_before"] / 2 for r in records] == [2.0**15] * 2
     assert all(r["loss_finite"] for r in records)  # the forward was fine: the inf came after
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("framework, sets", [("ddp", []), ("fsdp", []), ("zero", []), ("megatron", ["megatron.tp=2"])])
+@pytest.mark.parametrize("framework, sets", [("ddp", []), ("fsdp", []), ("zero", []), ("zero", ["zero.stage=3"])])
 def test_fp16_on_this_cpu_trains_within_its_band_of_fp32(references, framework, sets) -> None:
     fp16 = references.losses(gpt2(framework, 2, *sets, "train.precision=fp16"))
     plain = references.losses(plain_gpt2())

@@ -200,20 +200,6 @@ class Adapter(FrameworkPlan):
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16
         return torch.autocast(self.ctx.device.type, dtype=dtype)
 
-    def loss_scaler(self) -> torch.amp.GradScaler:
-        """fp16's dynamic loss scaling (a pass-through under fp32 and bf16): torch's ShardedGradScaler
-        (torch/distributed/fsdp/sharded_grad_scaler.py), whose unscale_ all-reduces the found-inf flag over
-        every rank, so that a step is skipped, and the scale halved, on all ranks or on none, whatever shard
-        or tensor-parallel slice overflowed; its unscale handles FSDP2's DTensor gradients (DTensor's own
-        dispatch reduces the flag over the mesh: torch/distributed/tensor/_dispatch.py,
-        found_inf_reduce_handler). A process alone has no group to agree with: torch's GradScaler."""
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        enabled = self.ctx.recipe.train.precision == "fp16"
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            return ShardedGradScaler(self.ctx.device.type, enabled=enabled, process_group=dist.group.WORLD)
-        return torch.amp.GradScaler(self.ctx.device.type, enabled=enabled)
-
     def clip_gradients(self, parameters: Any) -> None:
         if self.ctx.recipe.train.grad_clip:
             nn.utils.clip_grad_norm_(parameters, self.ctx.recipe.train.grad_clip)

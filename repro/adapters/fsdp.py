@@ -13,7 +13,7 @@ Recipe section `fsdp:` chooses the sharding strategy (full: reshard after forwar
 grad-op: keep parameters gathered from forward to backward, ZeRO-2-like traffic; hybrid: shard
 within groups of gpus/replicas ranks and replicate across the groups, HSDP) and the dtype of the
 gradient reduction; parameters compute in train.precision. fp16 scales the loss dynamically
-(Adapter.loss_scaler: torch's ShardedGradScaler, which unscales the DTensor gradient shards and agrees
+(`loss_scaler`: torch's ShardedGradScaler, which unscales the DTensor gradient shards and agrees
 on an overflow over all ranks, skipping the step everywhere).
 
 Checkpoints are PyTorch's distributed checkpoint (`torch.distributed.checkpoint`), as FSDP2's users
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from repro.adapters.base import Adapter, parameter_users
@@ -74,6 +75,20 @@ class FSDPAdapter(FSDPPlan, Adapter):
         # "FSDP's cost"); not for timm's LAMB, whose foreach path rounds differently (repro.optim).
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters(), foreach=True)
         self.scaler = self.loss_scaler()
+
+    def loss_scaler(self) -> Any:
+        """fp16's dynamic loss scaling (a pass-through under fp32 and bf16): torch's ShardedGradScaler
+        (torch/distributed/fsdp/sharded_grad_scaler.py), whose unscale_ all-reduces the found-inf flag over
+        every rank, so that the step is skipped and the scale halved on all ranks or on none, whichever shard
+        overflowed; it unscales FSDP2's DTensor gradients through DTensor's dispatch, which reduces the flag
+        over the mesh too (torch/distributed/tensor/_dispatch.py, found_inf_reduce_handler). A process alone
+        has no group to agree with: torch's GradScaler."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        enabled = self.ctx.recipe.train.precision == "fp16"
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return ShardedGradScaler(self.ctx.device.type, enabled=enabled, process_group=dist.group.WORLD)
+        return torch.amp.GradScaler(self.ctx.device.type, enabled=enabled)
 
     def facts(self) -> dict[str, Any]:
         """The units below the root, each as the types of its layers with parameters."""

@@ -25,9 +25,8 @@ Two paths, recorded on the run (`pieces`, MLflow's `effective.*`):
   hard-codes CUDA there). megatron-core's DistributedDataParallel and optimizer allocate on CUDA
   unconditionally (distributed/param_and_grad_buffer.py, optimizer/optimizer.py), so this adapter
   averages gradients over the dp group itself (one flattened all-reduce per step) and steps torch's
-  optimizer, which is what megatron-core falls back to without Apex or Transformer Engine. fp16 autocasts
-  and scales the loss dynamically (Adapter.loss_scaler), the found-inf flag agreed over every rank, the tp
-  and dp groups included.
+  optimizer, which is what megatron-core falls back to without Apex or Transformer Engine. fp32 only
+  (MegatronPlan.check_device says why).
 """
 from __future__ import annotations
 
@@ -88,6 +87,7 @@ class MegatronAdapter(MegatronPlan, Adapter):
 
         ctx, tp = self.ctx, self.options.tp
         self.on_gpu = ctx.device.type == "cuda"
+        self.check_device(ctx.recipe, ctx.recipe.source, ctx.device.type)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, distributed_timeout_minutes=math.ceil(ctx.recipe.run.timeout_s / 60),
         )
@@ -116,7 +116,6 @@ class MegatronAdapter(MegatronPlan, Adapter):
             self.model, self.optimizer = self.megatron_training(self.gpt)
         else:
             self.model, self.optimizer = self.gpt, make_optimizer(ctx.recipe.optimizer(), self.gpt.parameters())
-            self.scaler = self.loss_scaler()
 
     def dropout_streams(self) -> None:
         """tp peers share their dp rank's stream (as DDP rank dp_rank would): dropout on replicated
@@ -193,12 +192,10 @@ class MegatronAdapter(MegatronPlan, Adapter):
             finalize_model_grads([self.model])  # waits for the overlapped all-reduce; clipping is the optimizer's
             self.optimizer.step()  # fp16: skipped, on every rank, where a gradient overflowed
         else:
-            self.scaler.scale(loss).backward()
+            loss.backward()
             self.average_gradients()
-            self.scaler.unscale_(self.optimizer)
             self.clip_gradients(self.model.parameters())
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            self.optimizer.step()
         return self.shard_loss(loss)
 
     def average_gradients(self) -> None:
@@ -266,15 +263,12 @@ class MegatronAdapter(MegatronPlan, Adapter):
         """This rank's tp shard and its optimizer state, and the dropout streams that the loop's saved
         default generators do not cover: the shared one (RngStream) and megatron-core's tracker."""
         streams = {"shared_rng": self.shared_rng.state, "tracker": self.tracker.get_states()}
-        scaler = {} if self.on_gpu else {"scaler": self.scaler.state_dict()}  # on GPUs the optimizer's holds its scale
-        return {**super().state_dict(), **streams, **scaler}
+        return {**super().state_dict(), **streams}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.shared_rng.state = tuple(state["shared_rng"])
         self.tracker.set_states(dict(state["tracker"]))
-        if not self.on_gpu:
-            self.scaler.load_state_dict(state["scaler"])
 
     def save_checkpoint(self, folder: Path) -> None:
         """One file per rank: tp peers hold different shards (and every rank its own local stream)."""
