@@ -106,6 +106,8 @@ def test_megatron_refuses_16_bit_on_cpu_and_leaves_gpus_to_decide() -> None:
 
     with pytest.raises(RecipeError, match="train.precision: megatron's CPU path runs fp32, not bf16"):
         smoke("run.framework=megatron", "run.device=cpu", "train.precision=bf16")
+    with pytest.raises(RecipeError, match="train.precision: megatron's CPU path runs fp32, not auto"):
+        smoke("run.framework=megatron", "run.device=cpu", "train.precision=auto")  # bf16 on any CPU
     recipe = smoke("run.framework=megatron", "train.precision=fp16")  # run.device auto: a GPU may take it
     MegatronPlan.check_device(recipe, "gpt2-smoke.yaml", "cuda")
     with pytest.raises(RecipeError, match="train.precision: megatron's CPU path runs fp32, not fp16"):

@@ -57,7 +57,7 @@ class MegatronPlan(FrameworkPlan):
         CUDA (megatron/core/tensor_parallel/layers.py: custom_fwd and custom_bwd with device_type="cuda"), so
         under CPU autocast their backward multiplies a 16-bit gradient by fp32 weights and fails; on GPUs the
         adapter trains 16-bit through Float16Module instead of autocast (repro.adapters.megatron)."""
-        if device_type == "cpu" and recipe.train.precision in ("fp16", "bf16"):
+        if device_type == "cpu" and recipe.train.precision in ("fp16", "bf16", "auto"):  # auto: bf16 on a CPU
             raise RecipeError(source, "train.precision",
                               f"megatron's CPU path runs fp32, not {recipe.train.precision}: megatron-core's linear "
                               "layers autocast on CUDA only (tensor_parallel/layers.py); use fp32 on CPU")
