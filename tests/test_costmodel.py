@@ -134,6 +134,9 @@ CELLS = {
     "zero1-2-micro": ("zero", 2, ["zero.stage=1", "train.micro_batch=2"]),
     "zero3-2-micro": ("zero", 2, ["zero.stage=3", "train.micro_batch=2"]),
     "zero-4-micro": ("zero", 4, ["train.micro_batch=4"]), "zero3-2-recompute": ("zero", 2, ["zero.stage=3", "train.recompute=full"]),
+    # fp16 (issue 39): DeepSpeed's own fp16 mode keeps the module, its gradients and their reductions in fp16
+    # (2 bytes an element; costs.deepspeed_element), the master partition and Adam's moments in fp32
+    "zero-2-fp16": ("zero", 2, ["train.precision=fp16"]), "zero3-2-fp16": ("zero", 2, ["zero.stage=3", "train.precision=fp16"]),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
 # counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.
