@@ -33,6 +33,9 @@ class GPT2Shape:
     seq_len: int
     vocab: int
     dropout: float = 0.0
+    # Whether attention with dropout runs SDPA's math path: PyTorch takes it on CPU, where its fused kernel
+    # takes no dropout (torch._fused_sdp_choice on CPU: flash at dropout 0, math at dropout > 0); costs.cell_of sets it
+    math_attention: bool = False
 
     @classmethod
     def from_model(cls, model: Any) -> "GPT2Shape":
@@ -84,13 +87,20 @@ class GPT2Shape:
         plus 16-bit branches promotes), so the layer norms save fp32 inputs and statistics, and every
         linear layer saves the 16-bit copy of its weight that autocast casts (12 d^2 a block, the tied
         head's V d). With dropout, each nn.Dropout saves a mask of `mask` bytes per element of its input
-        (the embedding's, and two per block: after attention and after the MLP; attention's own dropout
-        is inside SDPA and not modelled): the smoke recipes have none, so this term is unchecked."""
+        (the embedding's, and two per block: after attention and after the MLP). Attention's own dropout
+        is inside SDPA: its fused kernels keep the logsumexp (h N fp32) whether or not they drop
+        (unchecked on GPUs); its math path (`math_attention`) keeps instead the softmax's output, the
+        dropout's noise (`mask` bytes an element) and the dropped probabilities, batch x h x seq_len^2
+        elements each (aten's _scaled_dot_product_attention_math: softmax, dropout as a product with the
+        noise, a matmul with v; in 16 bits unchecked)."""
         n, d = batch * self.seq_len, self.d_model
         masked = mask * n * d if self.dropout else 0
+        attention = FP32 * self.n_head * n
+        if self.dropout and self.math_attention:
+            attention = (2 * element + mask) * batch * self.n_head * self.seq_len**2
         norm = (FP32 if autocast else element) * (n * d + 2 * n)  # a layer norm's input, mean and rstd
         copies = element if autocast else 0  # bytes per weight element of autocast's saved casts
-        block = 2 * norm + element * 14 * n * d + FP32 * self.n_head * n + copies * 12 * d * d + 2 * masked
+        block = 2 * norm + element * 14 * n * d + attention + copies * 12 * d * d + 2 * masked
         head = norm + element * n * d + copies * self.vocab * d + self.loss_bytes(batch)
         embedding = INT64 * (n + self.seq_len) + masked
         return [embedding, *([block] * (self.n_layer if layers is None else layers)), head]

@@ -86,9 +86,10 @@ def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
 
 def autocasts(cell: Cell) -> bool:
     """Whether a 16-bit cell computes under torch.autocast over fp32 weights (repro/adapters/base.py
-    `autocast`; ZeRO through DeepSpeed's torch_autocast): all but FSDP, whose MixedPrecisionPolicy casts
-    the parameters themselves (repro/adapters/fsdp.py), and Megatron on GPUs (`megatron_activations`)."""
-    return cell.precision != "fp32" and cell.framework != "fsdp"
+    `autocast`; ZeRO's bf16 through DeepSpeed's torch_autocast): all but FSDP, whose MixedPrecisionPolicy
+    casts the parameters themselves (repro/adapters/fsdp.py), ZeRO's fp16, DeepSpeed's own fp16 mode
+    (an fp16 module: repro/adapters/zero.py), and Megatron (`megatron_activations`)."""
+    return cell.precision != "fp32" and cell.framework != "fsdp" and (cell.framework, cell.precision) != ("zero", "fp16")
 
 
 def loss_transient(cell: Cell) -> int:
