@@ -114,6 +114,12 @@ class GPT2Shape:
         blocks = max(0, min(stop, self.n_layer + 1) - max(start, 1))
         return (embedding if start == 0 else 0) + blocks * block + (head if stop == self.n_layer + 2 else 0)
 
+    def weight_copy_bytes(self, start: int, stop: int, element: int) -> int:
+        """Bytes of autocast's 16-bit weight copies that layers start..stop-1 save (`layer_activations`):
+        12 d^2 a block, the tied head's V d."""
+        blocks = max(0, min(stop, self.n_layer + 1) - max(start, 1))
+        return element * (blocks * 12 * self.d_model**2 + (self.tied_elements() if stop == self.n_layer + 2 else 0))
+
     def loss_bytes(self, batch: int) -> int:
         """What the loss saves (in the head's `layer_activations`): the fp32 log-softmax, the int64
         targets and the total weight."""
@@ -272,6 +278,12 @@ class VGG16Shape:
             sizes[root] = element * batch * out
         loss = self.loss_bytes(batch) if stop == len(layers) else 0
         return sum(sizes[key] for key in saved) + loss
+
+    def weight_copy_bytes(self, start: int, stop: int, element: int) -> int:
+        """Bytes of autocast's 16-bit weight copies that layers start..stop-1 save: every convolution's
+        and linear layer's weight (`stage_activation_bytes`)."""
+        return element * sum(rows * row for kind, tensors, _ in self.layers()[start:stop] if kind in ("conv", "linear")
+                             for rows, row in tensors[:1])
 
     def loss_bytes(self, batch: int) -> int:
         """What the loss saves: the fp32 log-softmax, the int64 targets and the total weight."""

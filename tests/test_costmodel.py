@@ -145,6 +145,12 @@ CELLS = {
     "ddp-2-bf16-odd-shape": ("ddp", 2, [BF16, "model.n_layer=3", "model.d_model=96", "model.n_head=6", "model.seq_len=32",
                                         "train.recompute=full", "train.recompute_layers=2", "train.micro_batch=4"]),
     "ddp-2-vgg16-bf16-recompute-micro": ("ddp", 2, [BF16, "train.recompute=full", "train.micro_batch=4"], "vgg16"),
+    # torch-pipeline: one autocast context around the schedule, whose cached weight copies serve every micro-batch;
+    # GPT-2's cuts carry the fp32 residual stream, VGG-16's 16-bit outputs
+    "torch-pipeline-2-bf16": ("torch-pipeline", 2, [BF16]),
+    "torch-pipeline-2-bf16-interleaved": ("torch-pipeline", 2, [BF16, "torch_pipeline.schedule=interleaved-1f1b"]),
+    "torch-pipeline-4-vgg16-bf16": ("torch-pipeline", 4, [BF16], "vgg16"),
+    "torch-pipeline-4-vgg16-bf16-zero-bubble": ("torch-pipeline", 4, [BF16, "torch_pipeline.schedule=zero-bubble"], "vgg16"),
     # fp16 (issue 39): DeepSpeed's own fp16 mode keeps the module, its gradients and their reductions in fp16
     # (2 bytes an element; costs.deepspeed_element), the master partition and Adam's moments in fp32
     "zero-2-fp16": ("zero", 2, ["train.precision=fp16"]), "zero3-2-fp16": ("zero", 2, ["zero.stage=3", "train.precision=fp16"]),

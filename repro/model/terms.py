@@ -84,12 +84,17 @@ def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
     return per_element * elements + per_tensor * tensor_count
 
 
+AUTOCAST_FRAMEWORKS = ("ddp", "zero", "torch-pipeline")  # their adapters' 16-bit runs under torch.autocast
+
+
 def autocasts(cell: Cell) -> bool:
     """Whether a 16-bit cell computes under torch.autocast over fp32 weights (repro/adapters/base.py
-    `autocast`; ZeRO's bf16 through DeepSpeed's torch_autocast): all but FSDP, whose MixedPrecisionPolicy
-    casts the parameters themselves (repro/adapters/fsdp.py), ZeRO's fp16, DeepSpeed's own fp16 mode
-    (an fp16 module: repro/adapters/zero.py), and Megatron (`megatron_activations`)."""
-    return cell.precision != "fp32" and cell.framework != "fsdp" and (cell.framework, cell.precision) != ("zero", "fp16")
+    `autocast`; ZeRO's bf16 through DeepSpeed's torch_autocast): DDP, torch-pipeline and ZeRO but its fp16,
+    DeepSpeed's own fp16 mode (an fp16 module: repro/adapters/zero.py). FSDP's MixedPrecisionPolicy casts
+    the parameters themselves (repro/adapters/fsdp.py), Megatron has its own (`megatron_activations`), and
+    torchgpipe and PipeDream run fp32 only."""
+    return (cell.precision != "fp32" and cell.framework in AUTOCAST_FRAMEWORKS
+            and (cell.framework, cell.precision) != ("zero", "fp16"))
 
 
 def loss_transient(cell: Cell) -> int:
