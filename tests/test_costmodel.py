@@ -132,6 +132,12 @@ CELLS = {
     "zero1-2-micro": ("zero", 2, ["zero.stage=1", "train.micro_batch=2"]),
     "zero3-2-micro": ("zero", 2, ["zero.stage=3", "train.micro_batch=2"]),
     "zero-4-micro": ("zero", 4, ["train.micro_batch=4"]), "zero3-2-recompute": ("zero", 2, ["zero.stage=3", "train.recompute=full"]),
+    # FSDP2: the recomputation gathers nothing more; each micro-batch gathers again, and between them every
+    # whole gradient is held (gradient sync off); grad-op gathers once per micro-batch
+    "fsdp-2-recompute": ("fsdp", 2, ["train.recompute=full"]), "fsdp-2-micro": ("fsdp", 2, ["train.micro_batch=2"]),
+    "fsdp-4-grad-op-recompute2-micro": ("fsdp", 4, ["fsdp.sharding=grad-op", "train.recompute=full",
+                                                    "train.recompute_layers=2", "train.micro_batch=4"]),
+    "fsdp-2-vgg16-recompute-micro": ("fsdp", 2, ["train.recompute=full", "train.micro_batch=4"], "vgg16"),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
 # counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.

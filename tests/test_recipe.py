@@ -125,9 +125,10 @@ def test_a_micro_batch_must_divide_the_batch_and_recompute_layers_need_recompute
 
 
 @pytest.mark.parametrize("framework,setting,why", [
-    ("fsdp", "train.micro_batch=2", "fsdp does not accumulate gradients over micro-batches: not yet applied by the kit"),
+    ("fsdp", "train.recompute=selective", "fsdp does not apply recompute selective \\(it applies train.recompute=full\\): "
+                                          "selective recompute \\(attention's core only\\) is megatron-core's granularity; "
+                                          "FSDP2 checkpoints whole blocks"),
     ("zero", "train.recompute=selective", "zero does not apply recompute selective \\(it applies train.recompute=full\\)"),
-    ("fsdp", "train.recompute=full", "fsdp does not apply recompute full: not yet applied by the kit"),
     ("megatron", "train.recompute=selective", "megatron does not apply recompute selective: not yet applied by the kit"),
     ("pipedream", "train.micro_batch=4", "pipedream does not accumulate gradients over micro-batches: PipeDream has no such"),
     ("torchgpipe", "train.recompute=none", "torchgpipe does not take train.recompute: torchgpipe recomputes and cuts "
@@ -152,3 +153,4 @@ def test_the_memory_settings_are_recorded_as_effective_and_default_to_the_framew
     assert effective("ddp", "train.micro_batch=2", "train.recompute=full") == (4, "full")
     assert effective("ddp", "train.micro_batch=8") == (1, "none")  # one micro-batch of the whole batch: no accumulation
     assert effective("torchgpipe", "torchgpipe.checkpoint=always") == (4, "always")
+    assert effective("fsdp", "train.micro_batch=2", "train.recompute=full") == (4, "full")

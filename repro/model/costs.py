@@ -162,21 +162,28 @@ def fsdp(cell: Cell) -> Prediction:
     `foreach_reduce`; gloo runs it as an all-reduce of that input), then under hybrid sharding
     all-reduced across the replicas (S elements). With one shard rank nothing is gathered or reduced.
     Sharded parameters are DTensors, so an optimizer or clip that takes norms reduces their partial
-    sums (`sharded_norms`)."""
+    sums (`sharded_norms`).
+    Micro-batches (k a step, gradient sync off for all but the last: repro.adapters.fsdp): every one
+    gathers the units again (each backward reshards them), the gradients are reduced once; between
+    micro-batches every parameter's whole gradient is held in the reduce dtype (_fsdp_param_group.py,
+    `post_backward`; _fsdp_param.py, `to_accumulated_grad_if_needed`), Psi elements, no sharded gradient
+    yet: the gradients' high-water mark is the larger of the two. Full recompute gathers nothing more
+    (the recomputation runs after the unit's pre-backward gather: _fsdp_state.py, `_pre_forward`)."""
     sharding, gpus = cell.option("sharding", "full"), cell.gpus
     replicas = cell.option("replicas", 2) if sharding == "hybrid" else 1
     if gpus % replicas:
         raise ValueError(f"fsdp: {replicas} replicas must divide the GPUs ({gpus})")
     ranks = gpus // replicas
-    held, count = dim0_sharded(cell.shape, ranks), tensor_count(cell.shape)
+    held, count, k = dim0_sharded(cell.shape, ranks), tensor_count(cell.shape), cell.accumulation_steps
+    reduce_element = ACTIVATION_ELEMENT[cell.option("reduce_dtype", "fp32")]
     comm: dict[str, int] = {}
     if ranks > 1:
         gathered = ACTIVATION_ELEMENT[cell.precision] * held
-        comm["all_gather"] = gathered * (1 if sharding == "grad-op" else 2)
-        reduced = ACTIVATION_ELEMENT[cell.option("reduce_dtype", "fp32")] * held
+        comm["all_gather"] = k * gathered * (1 if sharding == "grad-op" else 2)
+        reduced = reduce_element * held
         comm["all_reduce"] = ranks * reduced + (reduced if replicas > 1 else 0) + FP32 * sharded_norms(cell, count)
-    return Prediction(FP32 * held, FP32 * held, optimizer_bytes(cell, held, count),
-                      activations(cell, cell.batch_per_gpu), comm)
+    grads = max(FP32 * held, reduce_element * parameters(cell.shape)) if k > 1 else FP32 * held
+    return Prediction(FP32 * held, grads, optimizer_bytes(cell, held, count), activations(cell, cell.batch_per_gpu), comm)
 
 
 def sharded_norms(cell: Cell, count: int) -> int:
