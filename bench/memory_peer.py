@@ -74,7 +74,7 @@ def peer_args(row: Row, cell: costs.Cell) -> dict[str, object]:
     micro = cell.micro_batch or cell.batch_per_gpu
     return {"batch_size_per_gpu": micro * row.tp, "gradient_accumulation_steps": cell.batch_per_gpu // micro,
             "seq_len": cell.shape.seq_len, "activation_recomputation": 2 if cell.recomputed else 0,
-            "ds_zero": row.stage, "tp_size": row.tp, "total_num_gpus": row.gpus}
+            "ds_zero": row.stage, "tp_size": row.tp, "sp_size": 1, "total_num_gpus": row.gpus}  # no sequence parallelism
 
 
 def llm_analysis(python: str, args: dict[str, object]) -> dict[str, float] | None:

@@ -452,6 +452,32 @@ def unset_fit(framework: str, gpus: int, size_gib: float) -> Fit:
     return fit(recipe_cell("gpt2", framework, gpus, sets=UNSET), size_gib * GIB)
 
 
+# Paper cells off the V100-16GB under the recipes' settings: the smallest of the paper's GPUs each fits (None:
+# neither), all of them rows whose framework applies no memory setting (configs/*-paper.yaml say why)
+OFF_V100 = {
+    "vgg16": {("pipedream", 4): "A100-40GB", ("pipedream", 8): "A100-40GB", ("pipedream", 16): "A100-40GB"},
+    "gpt2": {("pipedream", 1): None, ("pipedream", 2): None, ("pipedream", 4): None, ("pipedream", 8): None,
+             ("pipedream", 16): "A100-40GB", ("torch-1f1b", 1): "A100-40GB"},
+}
+
+
+@pytest.mark.units
+@pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
+def test_every_paper_cell_fits_the_v100_or_says_why_not(workload):
+    """Under configs/*-paper.yaml's own settings (train_by_framework) every modelled cell of the matrix fits
+    the paper's V100-16GB, except OFF_V100's, whose frameworks apply no memory setting: each says so, and
+    fits the A100-40GB or neither as listed. None is off the V100 for want of a setting its framework has."""
+    from repro.model.predict import paper_devices
+
+    entries = paper_devices(workload)
+    assert len(entries) >= 30
+    off = {(e["row"], e["gpus"]): e for e in entries if e["device"] != "V100-16GB"}
+    assert {cell: e["device"] for cell, e in off.items()} == OFF_V100[workload]
+    for entry in off.values():
+        assert entry["fit"].peak is None and entry["why"].startswith("train.recompute and train.micro_batch refused: ")
+    assert all(not e["why"] and e["fit"].sets == () for e in entries if e["device"] == "V100-16GB")
+
+
 @pytest.mark.units
 def test_fit_chooses_micro_batches_before_recompute_with_the_models_peak_for_the_recipe_with_it():
     """GPT-2-medium at paper scale on a V100-16GB: DDP fits with micro-batches of 8 (16 does not), though full
