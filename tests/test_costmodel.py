@@ -137,6 +137,17 @@ CELLS = {
     "fsdp-2-recompute": ("fsdp", 2, ["train.recompute=full"]), "fsdp-2-micro": ("fsdp", 2, ["train.micro_batch=2"]),
     "fsdp-4-grad-op-recompute2-micro": ("fsdp", 4, ["fsdp.sharding=grad-op", "train.recompute=full",
                                                     "train.recompute_layers=2", "train.micro_batch=4"]),
+    # Megatron: micro-batches through megatron-core's schedule; at tp=1 the embedding saves the token ids, a
+    # view of the whole batch
+    "megatron-1-micro": ("megatron", 1, ["train.micro_batch=2"]),
+    "megatron-tp2-4-micro": ("megatron", 4, ["megatron.tp=2", "train.micro_batch=4"]),
+    # megatron-core's recompute: selective drops attention's core, recomputed layer by layer in backward; full
+    # keeps each recomputed layer's input (the block method: the first 2 of 4 layers)
+    "megatron-tp2-2-selective": ("megatron", 2, ["megatron.tp=2", "train.recompute=selective"]),
+    "megatron-tp2-2-selective-dropout": ("megatron", 2, ["megatron.tp=2", "train.recompute=selective", "model.dropout=0.1"]),
+    "megatron-1-full": ("megatron", 1, ["train.recompute=full"]),
+    "megatron-tp2-2-full2-micro": ("megatron", 2, ["megatron.tp=2", "train.recompute=full", "train.recompute_layers=2",
+                                                   "train.micro_batch=2"]),
     "fsdp-2-vgg16-recompute-micro": ("fsdp", 2, ["train.recompute=full", "train.micro_batch=4"], "vgg16"),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
@@ -457,7 +468,8 @@ def test_fit_chooses_micro_batches_before_recompute_with_the_models_peak_for_the
 def test_fit_recomputes_the_fewest_blocks_and_says_why_a_cell_cannot_fit():
     """At 7 GiB DDP needs micro-batches of 1 and 20 of GPT-2-medium's 24 blocks recomputed (19 do not fit);
     ZeRO-2 at 1 GPU does not fit even with all of it, and says its smallest peak; Megatron and PipeDream
-    apply no memory setting and say why."""
+    apply no memory setting and say why (torch's 1F1B at 1 GPU: not yet), while Megatron fits by recomputing 14
+    of its 24 layers (the block method) at micro-batches of 1."""
     small = fits("gpt2", 7)
     ddp = small[("ddp", 1)]
     sets = ("train.recompute=full", "train.recompute_layers=20", "train.micro_batch=1")
@@ -468,8 +480,10 @@ def test_fit_recomputes_the_fewest_blocks_and_says_why_a_cell_cannot_fit():
     assert zero.peak is None and zero.why_not == (
         f"over even with --set train.recompute=full --set train.micro_batch=1: {smallest / GIB:.2f} GiB")
     assert smallest > 7 * GIB
-    megatron, pipedream = small[("megatron-data", 1)], small[("pipedream", 2)]
-    assert megatron.peak is None and megatron.why_not == "train.recompute and train.micro_batch refused: not yet applied by the kit"
+    megatron, pipedream, schedule = small[("megatron-data", 1)], small[("pipedream", 2)], small[("torch-1f1b", 1)]
+    sets = ("train.recompute=full", "train.recompute_layers=14", "train.micro_batch=1")
+    assert megatron.sets == sets and megatron.peak == paper_peak("gpt2", "megatron", 1, *sets) <= 7 * GIB
+    assert schedule.peak is None and schedule.why_not.startswith("train.recompute and train.micro_batch refused: not yet applied")
     assert pipedream.why_not.startswith("train.recompute and train.micro_batch refused: PipeDream has no such mechanism")
 
 
@@ -481,8 +495,8 @@ def test_fits_bisection_finds_what_the_whole_search_finds(workload):
     from repro import registry
     from repro.model.predict import fit, micro_batches, overrides, recipe_cell
 
-    for framework in ("ddp", "zero"):
-        cell = recipe_cell(workload, framework, 2)
+    for framework in ("ddp", "zero", "fsdp", *(("megatron",) if workload == "gpt2" else ())):
+        cell = recipe_cell(workload, framework, 2, sets=["megatron.tp=2"] if framework == "megatron" else [])
         every = [dataclasses.replace(cell, recomputed=n, micro_batch=m) for n in range(len(cell.shape.blocks()) + 1)
                  for m in micro_batches(cell, registry.plan_class(framework))]
         peaks = [costs.predict(candidate).fit_bytes for candidate in every]
@@ -514,7 +528,8 @@ def test_predict_fit_prints_each_cells_setting_and_how_many_fit_without_torch():
     assert lines[0].startswith("gpt2, paper scale, fitted to V100-16GB (16 GiB)")
     peak = paper_peak("gpt2", "ddp", 8, "train.micro_batch=8")
     assert f"  {'ddp':<16}{8:>5}{38.43:>9.2f}{peak / GIB:>9.2f}  --set train.micro_batch=8" in lines
-    assert "  megatron-data       1   121.09        -  train.recompute and train.micro_batch refused: not yet applied by the kit" in lines
+    megatron = paper_peak("gpt2", "megatron", 1, "train.micro_batch=2")
+    assert f"  {'megatron-data':<16}{1:>5}{121.09:>9.2f}{megatron / GIB:>9.2f}  --set train.micro_batch=2" in lines
     chosen = fits("gpt2", 16)
     fitted = sum(f.peak is not None for f in chosen.values())
     torchgpipe = sum(row == "torchgpipe" for row, _ in chosen)  # fits by model state: its GPU activations are not modelled
