@@ -137,6 +137,17 @@ CELLS = {
     "fsdp-2-recompute": ("fsdp", 2, ["train.recompute=full"]), "fsdp-2-micro": ("fsdp", 2, ["train.micro_batch=2"]),
     "fsdp-4-grad-op-recompute2-micro": ("fsdp", 4, ["fsdp.sharding=grad-op", "train.recompute=full",
                                                     "train.recompute_layers=2", "train.micro_batch=4"]),
+    # Megatron: micro-batches through megatron-core's schedule; at tp=1 the embedding saves the token ids, a
+    # view of the whole batch
+    "megatron-1-micro": ("megatron", 1, ["train.micro_batch=2"]),
+    "megatron-tp2-4-micro": ("megatron", 4, ["megatron.tp=2", "train.micro_batch=4"]),
+    # megatron-core's recompute: selective drops attention's core, recomputed layer by layer in backward; full
+    # keeps each recomputed layer's input (the block method: the first 2 of 4 layers)
+    "megatron-tp2-2-selective": ("megatron", 2, ["megatron.tp=2", "train.recompute=selective"]),
+    "megatron-tp2-2-selective-dropout": ("megatron", 2, ["megatron.tp=2", "train.recompute=selective", "model.dropout=0.1"]),
+    "megatron-1-full": ("megatron", 1, ["train.recompute=full"]),
+    "megatron-tp2-2-full2-micro": ("megatron", 2, ["megatron.tp=2", "train.recompute=full", "train.recompute_layers=2",
+                                                   "train.micro_batch=2"]),
     "fsdp-2-vgg16-recompute-micro": ("fsdp", 2, ["train.recompute=full", "train.micro_batch=4"], "vgg16"),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
@@ -319,33 +330,33 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
 def test_paper_scale_rows_say_whether_the_papers_gpus_hold_them():
     """Table 2's GPUs (per node / GPUs per node) against GPT-2-medium's predicted peaks under the recipe:
     PipeDream's 34.89 GiB at 16 GPUs (fp32, every activation kept: it applies no memory setting) fits an
-    A100 40 GB, not a V100 16 GB, and says why; Megatron-intra at 8 GPUs fits neither, almost all of it
-    activations; the 1F1B pipeline at 16 GPUs fits both."""
+    A100 40 GB, not a V100 16 GB, and says why; at 1 GPU (62.58 GiB) it fits neither, almost all of it
+    activations; Megatron-intra at 8 GPUs (Megatron-LM's example: every layer recomputed, micro-batches of 4)
+    and the 1F1B pipeline at 16 GPUs fit both."""
     from repro.hardware import GPU_MEMORY_GIB, paper_gpu_memory
     from repro.model.predict import paper_fit, predict_row
 
     assert paper_gpu_memory() == {"V100-16GB": 16.0, "A100-40GB": 40.0}
     assert {name: GPU_MEMORY_GIB[name] for name in paper_gpu_memory()} == paper_gpu_memory()
-    ddp, intra, pipe = (predict_row("gpt2", row, g) for row, g in (("pipedream", 16), ("megatron-intra", 8), ("torch-1f1b", 16)))
-    assert round(ddp.estimated_peak / 2**30, 2) == 34.89 and round(intra.estimated_peak / 2**20) == 174_247
+    ddp, over, intra, pipe = (predict_row("gpt2", row, g) for row, g in (
+        ("pipedream", 16), ("pipedream", 1), ("megatron-intra", 8), ("torch-1f1b", 16)))
+    assert round(ddp.estimated_peak / 2**30, 2) == 34.89 and round(intra.estimated_peak / 2**20) == 3_176
     assert paper_fit(ddp.estimated_peak, ddp.model_state) == (
         "over the paper's V100-16GB: its runs there cannot have held this much; activations dominate "
         "(88.8% activations, 11.2% model state)")
-    assert paper_fit(intra.estimated_peak, intra.model_state) == (
+    assert paper_fit(over.estimated_peak, over.model_state) == (
         "over the paper's V100-16GB and A100-40GB: its runs there cannot have held this much; activations dominate "
-        "(99.6% activations, 0.4% model state)")
+        "(89.4% activations, 10.6% model state)")
+    assert paper_fit(intra.estimated_peak, intra.model_state) == "fits the paper's V100-16GB and A100-40GB"
     assert paper_fit(pipe.estimated_peak, pipe.model_state) == "fits the paper's V100-16GB and A100-40GB"
     assert paper_fit(20 * 2**30, 15 * 2**30).endswith("model state dominate (25.0% activations, 75.0% model state)")
     out = subprocess.run([sys.executable, "-m", "repro.cli", "predict", "--model", "gpt2"], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert ("    megatron-intra at 1-16 GPUs, most at 16 (231.19 GiB): over the paper's V100-16GB and A100-40GB: its "
-            "runs there cannot have held this much; activations dominate (99.8% activations, 0.2% model state); why: "
-            "train.recompute and train.micro_batch refused: not yet applied by the kit") in out
     assert next(line for line in out if line.startswith("    pipedream at 1-16 GPUs, most at 1 (62.58 GiB)")).endswith(
         "why: train.recompute and train.micro_batch refused: PipeDream has no such mechanism: each stage keeps every "
         "in-flight mini-batch's activations for its backward against the stashed weights, and a mini-batch is one step "
         "(no accumulation)")
-    assert not any(line.startswith(("    ddp at", "    zero at")) for line in out)  # their recipe settings fit a V100
+    assert not any(line.startswith(("    ddp at", "    zero at", "    fsdp at", "    megatron")) for line in out)  # their settings fit a V100
     assert not any(line.startswith("    torch-1f1b at 1-") for line in out)  # from 2 GPUs on it fits a V100
 
 
@@ -409,7 +420,7 @@ def test_megatron_activations_are_the_local_specs_only(monkeypatch):
 
 @pytest.mark.units
 def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
-    from repro.model.predict import predict_row
+    from repro.model.predict import predict, predict_row
     from repro.report.evidence import Results
     from repro.report.model_check import paper_predictor
     from repro.report.predicted import megatron_memory_predicted
@@ -417,10 +428,18 @@ def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
     res = Results([], 2, predict=paper_predictor([]))
     res.workloads = ["gpt2", "vgg16"]
     gpt2, vgg16 = megatron_memory_predicted(res, {"row": "megatron-intra"})
-    peaks = {g: predict_row("gpt2", "megatron-intra", g).estimated_peak for g in (1, 2, 16)}
-    assert peaks[1] < peaks[2] < peaks[16]  # the tp group's batch grows with tp; the split terms do not shrink per rank
-    assert "lowest at 1 GPU (no U: rises from 1 to 16 GPUs" in gpt2 and f"16 GPUs {peaks[16] / 2**20:.2f} MiB" in gpt2
+    # under Megatron-LM's example (every layer recomputed, micro-batches of 4) model state falls with tp faster
+    # than the tp group's growing batch adds activations up to 4 GPUs, slower beyond: the paper's U
+    peaks = {g: predict_row("gpt2", "megatron-intra", g).estimated_peak for g in (1, 2, 4, 8, 16)}
+    assert peaks[1] > peaks[2] > peaks[4] < peaks[8] < peaks[16]
+    assert "(every block recomputed, micro-batches of 4), memory per GPU lowest at 4 GPUs (a U; local layer spec)" in gpt2
+    assert f"16 GPUs {peaks[16] / 2**20:.2f} MiB" in gpt2 and round(peaks[4] / 2**20, 2) == 3002.01
+    assert ("from 1 to 16 GPUs model state x0.07 (5414.17 MiB -> 355.54 MiB), activations x4.20 (998.59 MiB -> "
+            "4194.57 MiB)") in gpt2
     assert "predicted by the cost model" in gpt2 and "not modelled for this workload" in vgg16
+    # every activation kept (the recipe without its settings), the peak only rises: no U
+    kept = [predict("gpt2", "megatron", g, sets=[f"megatron.tp={g}", *UNSET]).estimated_peak for g in (1, 2, 4, 8, 16)]
+    assert kept == sorted(kept) and round(kept[-1] / 2**30, 2) == 231.19
 
 
 # -- repro predict --fit and the setting a refusal names (issue 39) --------------------------------------
@@ -502,7 +521,8 @@ def test_fit_chooses_micro_batches_before_recompute_with_the_models_peak_for_the
 def test_fit_recomputes_the_fewest_blocks_and_says_why_a_cell_cannot_fit():
     """At 7 GiB DDP needs micro-batches of 1 and 20 of GPT-2-medium's 24 blocks recomputed (19 do not fit);
     ZeRO-2 at 1 GPU does not fit even with all of it, and says its smallest peak; Megatron and PipeDream
-    apply no memory setting and say why."""
+    apply no memory setting and say why (torch's 1F1B at 1 GPU: not yet), while Megatron fits by recomputing 14
+    of its 24 layers (the block method) at micro-batches of 1."""
     small = fits("gpt2", 7)
     ddp = unset_fit("ddp", 1, 7)
     sets = ("train.recompute=full", "train.recompute_layers=20", "train.micro_batch=1")
@@ -515,8 +535,11 @@ def test_fit_recomputes_the_fewest_blocks_and_says_why_a_cell_cannot_fit():
     assert zero.peak is None and zero.why_not == (
         f"over even with --set train.recompute=full --set train.micro_batch=1: {smallest / GIB:.2f} GiB")
     assert smallest > 7 * GIB
-    megatron, pipedream = small[("megatron-data", 1)], small[("pipedream", 2)]
-    assert megatron.peak is None and megatron.why_not == "train.recompute and train.micro_batch refused: not yet applied by the kit"
+    megatron, pipedream, schedule = unset_fit("megatron", 1, 7), small[("pipedream", 2)], small[("torch-1f1b", 1)]
+    sets = ("train.recompute=full", "train.recompute_layers=14", "train.micro_batch=1")
+    assert megatron.sets == sets and megatron.peak == paper_peak("gpt2", "megatron", 1, *UNSET, *sets) <= 7 * GIB
+    assert small[("megatron-data", 1)].sets == () and small[("megatron-data", 1)].peak == paper_peak("gpt2", "megatron", 1)
+    assert schedule.peak is None and schedule.why_not.startswith("train.recompute and train.micro_batch refused: not yet applied")
     assert pipedream.why_not.startswith("train.recompute and train.micro_batch refused: PipeDream has no such mechanism")
 
 
@@ -528,8 +551,8 @@ def test_fits_bisection_finds_what_the_whole_search_finds(workload):
     from repro import registry
     from repro.model.predict import fit, micro_batches, overrides, recipe_cell
 
-    for framework in ("ddp", "zero"):
-        cell = recipe_cell(workload, framework, 2, sets=UNSET)
+    for framework in ("ddp", "zero", "fsdp", *(("megatron",) if workload == "gpt2" else ())):
+        cell = recipe_cell(workload, framework, 2, sets=[*UNSET, *(["megatron.tp=2"] if framework == "megatron" else [])])
         every = [dataclasses.replace(cell, recomputed=n, micro_batch=m) for n in range(len(cell.shape.blocks()) + 1)
                  for m in micro_batches(cell, registry.plan_class(framework))]
         peaks = [costs.predict(candidate).fit_bytes for candidate in every]
@@ -561,7 +584,8 @@ def test_predict_fit_prints_each_cells_setting_and_how_many_fit_without_torch():
     assert lines[0].startswith("gpt2, paper scale, fitted to V100-16GB (16 GiB)")
     peak = paper_peak("gpt2", "ddp", 8)  # the recipe's own settings fit
     assert round(peak / GIB, 2) == 8.56 and f"  {'ddp':<16}{8:>5}{peak / GIB:>9.2f}{peak / GIB:>9.2f}  as written" in lines
-    assert "  megatron-data       1   121.09        -  train.recompute and train.micro_batch refused: not yet applied by the kit" in lines
+    megatron = paper_peak("gpt2", "megatron", 1)  # Megatron-LM's example: every layer recomputed, micro-batches of 4
+    assert round(megatron / GIB, 2) == 6.26 and f"  {'megatron-data':<16}{1:>5}{megatron / GIB:>9.2f}{megatron / GIB:>9.2f}  as written" in lines
     chosen = fits("gpt2", 16)
     fitted = sum(f.peak is not None for f in chosen.values())
     torchgpipe = sum(row == "torchgpipe" for row, _ in chosen)  # fits by model state: its GPU activations are not modelled

@@ -94,13 +94,16 @@ def test_recompute_is_held_to_its_own_configuration_bit_for_bit_and_micro_batche
 
 
 @pytest.mark.end_to_end
-@pytest.mark.parametrize("framework", ["ddp", "fsdp"])
-def test_recompute_changes_no_bit_and_micro_batches_stay_within_1e6(repro, tmp_path: Path, framework: str):
-    micro, recompute = f"{framework}-2-micro", f"{framework}-2-recompute-dropout"
-    result = repro("parity", "--configs", f"{micro},{recompute}", "--steps", "3", "--reports", str(tmp_path / "reports"))
+@pytest.mark.parametrize("micro,recomputes", [
+    ("ddp-2-micro", ["ddp-2-recompute-dropout"]), ("fsdp-2-micro", ["fsdp-2-recompute-dropout"]),
+    ("megatron-tp2-micro", ["megatron-tp2-selective-dropout", "megatron-tp2-full-dropout"]),
+], ids=["ddp", "fsdp", "megatron"])
+def test_recompute_changes_no_bit_and_micro_batches_stay_within_1e6(repro, tmp_path: Path, micro: str, recomputes: list[str]):
+    result = repro("parity", "--configs", ",".join([micro, *recomputes]), "--steps", "3", "--reports", str(tmp_path / "reports"))
     assert result.returncode == 0, result.stderr[-2000:]
     rows = {row["name"]: row for row in json.loads((tmp_path / "reports" / "parity.json").read_text())["rows"]}
-    assert rows[recompute]["max_abs_diff"] == 0.0 and rows[recompute]["status"] == "pass"
+    for recompute in recomputes:
+        assert rows[recompute]["max_abs_diff"] == 0.0 and rows[recompute]["status"] == "pass"
     assert rows[micro]["max_abs_diff"] <= 1e-6 and rows[micro]["status"] == "pass"
 
 

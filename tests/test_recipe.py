@@ -129,7 +129,7 @@ def test_a_micro_batch_must_divide_the_batch_and_recompute_layers_need_recompute
                                           "selective recompute \\(attention's core only\\) is megatron-core's granularity; "
                                           "FSDP2 checkpoints whole blocks"),
     ("zero", "train.recompute=selective", "zero does not apply recompute selective \\(it applies train.recompute=full\\)"),
-    ("megatron", "train.recompute=selective", "megatron does not apply recompute selective: not yet applied by the kit"),
+    ("torch-pipeline", "train.recompute=full", "torch-pipeline does not apply recompute full: not yet applied by the kit"),
     ("pipedream", "train.micro_batch=4", "pipedream does not accumulate gradients over micro-batches: PipeDream has no such"),
     ("torchgpipe", "train.recompute=none", "torchgpipe does not take train.recompute: torchgpipe recomputes and cuts "
                                            "micro-batches its own way: set torchgpipe.checkpoint"),
@@ -139,6 +139,18 @@ def test_a_micro_batch_must_divide_the_batch_and_recompute_layers_need_recompute
 def test_a_memory_setting_a_framework_does_not_apply_is_refused_saying_why(framework, setting, why) -> None:
     with pytest.raises(RecipeError, match=why):
         load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", "run.gpus=2", setting])
+
+
+def test_megatrons_selective_recompute_takes_no_number_of_layers_and_full_is_the_block_method() -> None:
+    from repro.adapters.megatron_plan import MegatronPlan
+
+    with pytest.raises(RecipeError, match=r"train\.recompute_layers: megatron-core's selective recompute takes no number"):
+        load_file(recipe_path("gpt2", "smoke"), ["run.framework=megatron", "train.recompute=selective", "train.recompute_layers=2"])
+    full = load_file(recipe_path("gpt2", "smoke"), ["run.framework=megatron", "train.recompute=full", "train.recompute_layers=2"])
+    assert MegatronPlan.recompute_config(full) == {"recompute_granularity": "full", "recompute_method": "block",
+                                                   "recompute_num_layers": 2}
+    every = load_file(recipe_path("gpt2", "smoke"), ["run.framework=megatron", "train.recompute=full"])
+    assert MegatronPlan.recompute_config(every)["recompute_num_layers"] == 4  # GPT-2 smoke's layers, all
 
 
 def test_the_memory_settings_are_recorded_as_effective_and_default_to_the_frameworks_own() -> None:
@@ -154,3 +166,4 @@ def test_the_memory_settings_are_recorded_as_effective_and_default_to_the_framew
     assert effective("ddp", "train.micro_batch=8") == (1, "none")  # one micro-batch of the whole batch: no accumulation
     assert effective("torchgpipe", "torchgpipe.checkpoint=always") == (4, "always")
     assert effective("fsdp", "train.micro_batch=2", "train.recompute=full") == (4, "full")
+    assert effective("megatron", "train.micro_batch=2", "train.recompute=selective") == (4, "selective")

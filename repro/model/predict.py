@@ -38,7 +38,8 @@ def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", 
     shape = shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"])
     recomputed = costs.Cell.recomputed_blocks(shape, train.get("recompute"), train.get("recompute_layers"))
     return costs.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"),
-                          options, micro_batch=train.get("micro_batch"), recomputed=recomputed)
+                          options, micro_batch=train.get("micro_batch"), recomputed=recomputed,
+                          selective=train.get("recompute") == "selective")
 
 
 def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costs.Prediction | None:
