@@ -33,7 +33,7 @@ from repro.batches import EvenShard, GlobalBatches, batches
 from repro.metrics import (
     WARMUP_STEPS, StepClock, Stopwatch, Timer, device_name, device_used_bytes, peak_memory_bytes, step_time_summary,
 )
-from repro.rank import init_distributed, leave, pick_device
+from repro.rank import init_distributed, leave, pick_device, resolve_precision
 from repro.recipe import Recipe
 from repro.runfiles import Position, RunFolder
 
@@ -52,9 +52,10 @@ class Trainer:
     """Runs the epochs of one rank and emits events on the reporting rank."""
 
     def __init__(self, recipe: Recipe, run_dir: Path, data_dir: Path):
-        self.recipe, self.run_dir, self.folder = recipe, run_dir, RunFolder(run_dir)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = pick_device(recipe, self.local_rank)
+        recipe = resolve_precision(recipe, self.device)
+        self.recipe, self.run_dir, self.folder = recipe, run_dir, RunFolder(run_dir)
         rank, world, local_rank = init_distributed(self.device, recipe.run.timeout_s)
         seeds = seeding.seed_table(recipe.seed, rank)
         if self.device.type == "cpu":
@@ -234,7 +235,7 @@ class Trainer:
                 device_name=device_name(self.device),
                 global_batch=self.global_batch, steps_per_epoch=steps_per_epoch, epochs=recipe.train.epochs,
                 max_steps=recipe.train.max_steps, train_samples=len(self.train_set), val_samples=len(self.val_set),
-                adapter=self.adapter.facts(), effective=self.adapter.pieces(),
+                adapter=self.adapter.facts(), effective={**self.adapter.pieces(), "precision": recipe.train.precision},
             )
         for epoch in range(at.epoch, recipe.train.epochs):
             if self.done(at):

@@ -149,6 +149,9 @@ CELLS = {
     "megatron-tp2-2-full2-micro": ("megatron", 2, ["megatron.tp=2", "train.recompute=full", "train.recompute_layers=2",
                                                    "train.micro_batch=2"]),
     "fsdp-2-vgg16-recompute-micro": ("fsdp", 2, ["train.recompute=full", "train.micro_batch=4"], "vgg16"),
+    # fp16 (issue 39): DeepSpeed's own fp16 mode keeps the module, its gradients and their reductions in fp16
+    # (2 bytes an element; costs.deepspeed_element), the master partition and Adam's moments in fp32
+    "zero-2-fp16": ("zero", 2, ["train.precision=fp16"]), "zero3-2-fp16": ("zero", 2, ["zero.stage=3", "train.precision=fp16"]),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
 # counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.
