@@ -365,6 +365,8 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None, capability: int | 
         section["balance"] = facts["balance"]
     shape = shape_of(recipe.workload, recipe.model, recipe.data.dataset)
     device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and recipe.scale == "paper") else "cpu"
+    if isinstance(shape, GPT2Shape):
+        shape = dataclasses.replace(shape, math_attention=device == "cpu")
     train = recipe.train
     recomputed = Cell.recomputed_blocks(shape, train.recompute, train.recompute_layers)
     precision = automatic_precision(device, capability) if train.precision == "auto" else train.precision
