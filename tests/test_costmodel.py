@@ -579,7 +579,7 @@ def test_fit_chooses_micro_batches_before_recompute_with_the_models_peak_for_the
 def test_fit_recomputes_the_fewest_blocks_and_says_why_a_cell_cannot_fit():
     """At 7 GiB DDP needs micro-batches of 1 and 20 of GPT-2-medium's 24 blocks recomputed (19 do not fit);
     ZeRO-2 at 1 GPU does not fit even with all of it, and says its smallest peak; Megatron and PipeDream
-    apply no memory setting and say why (torch's 1F1B at 1 GPU: not yet), while Megatron fits by recomputing 14
+    apply no memory setting and say why (torch's 1F1B: its micro-batches are its schedule's), while Megatron fits by recomputing 14
     of its 24 layers (the block method) at micro-batches of 1."""
     small = fits("gpt2", 7)
     ddp = unset_fit("ddp", 1, 7)
@@ -597,7 +597,8 @@ def test_fit_recomputes_the_fewest_blocks_and_says_why_a_cell_cannot_fit():
     sets = ("train.recompute=full", "train.recompute_layers=14", "train.micro_batch=1")
     assert megatron.sets == sets and megatron.peak == paper_peak("gpt2", "megatron", 1, *UNSET, *sets) <= 7 * GIB
     assert small[("megatron-data", 1)].sets == () and small[("megatron-data", 1)].peak == paper_peak("gpt2", "megatron", 1)
-    assert schedule.peak is None and schedule.why_not.startswith("train.recompute and train.micro_batch refused: not yet applied")
+    assert schedule.peak is None and schedule.why_not.startswith(
+        "train.recompute and train.micro_batch refused: its micro-batches are the schedule's own: set torch_pipeline.microbatches")
     assert pipedream.why_not.startswith("train.recompute and train.micro_batch refused: PipeDream has no such mechanism")
 
 

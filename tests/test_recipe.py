@@ -129,7 +129,8 @@ def test_a_micro_batch_must_divide_the_batch_and_recompute_layers_need_recompute
                                           "selective recompute \\(attention's core only\\) is megatron-core's granularity; "
                                           "FSDP2 checkpoints whole blocks"),
     ("zero", "train.recompute=selective", "zero does not apply recompute selective \\(it applies train.recompute=full\\)"),
-    ("torch-pipeline", "train.recompute=full", "torch-pipeline does not apply recompute full: not yet applied by the kit"),
+    ("torch-pipeline", "train.micro_batch=4", "torch-pipeline does not accumulate gradients over micro-batches: its "
+                                              "micro-batches are the schedule's own: set torch_pipeline.microbatches"),
     ("pipedream", "train.micro_batch=4", "pipedream does not accumulate gradients over micro-batches: PipeDream has no such"),
     ("torchgpipe", "train.recompute=none", "torchgpipe does not take train.recompute: torchgpipe recomputes and cuts "
                                            "micro-batches its own way: set torchgpipe.checkpoint"),
