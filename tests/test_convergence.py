@@ -132,6 +132,7 @@ def test_every_arm_trains_at_its_global_batch_with_its_rate_and_the_seed_fixes_w
     pipedream = recipe(ARMS["pipedream-2, lr 0.003"], 1235, plan, "smoke")
     assert (pipedream.seed, pipedream.optimizer().lr, pipedream.train.batch_per_gpu) == (1235, 0.003, 8)
     assert (pipedream.train.epochs, pipedream.train.max_steps, pipedream.data.max_train_samples) == (4, 40, 80)
+    assert (pipedream.train.checkpoint_every, pipedream.data.max_val_samples, pipedream.train.eval_batch) == (4, 64, 64)
     ddp = recipe(ARMS["ddp-2"], 1235, plan, "smoke")
     assert (ddp.train.batch_per_gpu, ddp.optimizer().name, ddp.optimizer().lr) == (4, "adam", 0.001)
     paper = recipe(ARMS["megatron-intra-2, batch 16"], 1235, plan, "smoke")

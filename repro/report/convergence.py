@@ -34,8 +34,9 @@ def effect_text(o: dict[str, Any]) -> str:
     target = f"samples to the target {o['at_target'].text()}" if o["at_target"] else "target not reached on every seed"
     end = f"final perplexity {o['at_end'].text()}" if o["at_end"] else "no final interval"
     margin = f", margin {o['margin']:.1%}" if o["margin"] is not None else ""
+    note = f" ({o['note']})" if o["note"] else ""
     return (f"{o['treatment']} against {o['control']} ({o['seeds']} seeds, paired, 95% t interval): {target}, "
-            f"{end}{margin}: {o['verdict']}")
+            f"{end}{margin}: {o['verdict']}{note}")
 
 
 def study_plan(res: Results) -> str:
@@ -80,8 +81,10 @@ def identity_verdict(res: Results, t: dict[str, Any]) -> tuple[str, list[str]] |
 def study_data_parallel_curves(res: Results, t: dict[str, Any]) -> tuple[str, list[str]] | None:
     judged = identity_verdict(res, t)
     if judged:
-        judged[1].append("LBANN is not in the study: its binary does not run here; the wall-clock clause is left "
-                         "to the matrix's timed runs (context below)")
+        absent = [line for line in res.study.get("unavailable", []) if line.startswith("lbann")]
+        judged[1].append(f"LBANN is no arm: it cannot share the data order or the optimizer (docs/lbann.md)"
+                         f"{'; ' + absent[0] if absent else ''}; the wall-clock clause is left to the matrix's timed "
+                         "runs (context below)")
     return judged
 
 
