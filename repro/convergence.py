@@ -33,7 +33,8 @@ from typing import Any, Callable
 from repro import names, parity, registry
 from repro.recipe import Recipe, load_file, recipe_path
 from repro.report import statistics
-from repro.report.statistics import Interval
+from repro.report.statistics import (AGAINST_SYNC, CONTROL, EFFECT, EQUIVALENCE, IDENTITY, MEGATRON, NEGATIVE, STALENESS,
+                                     Interval)
 from repro.schema import RecipeError
 
 WORKLOAD = "gpt2"  # GPT-2's reduced model reaches its target in about 60 steps; VGG-16's needs epochs
@@ -44,8 +45,6 @@ VAL_SAMPLES = 64  # one validation batch per process
 # byte-unigram plateau (about 27.5) for about 100 steps first, so the higher rate is the harder one
 LOW_LR, HIGH_LR = 0.001, 0.003
 PAPER_BATCH = 16  # Megatron-intra's paper rule at 2 GPUs: 8 per GPU x 2
-STALENESS, IDENTITY, MEGATRON, CONTROL = "staleness", "data-parallel identity", "Megatron's effective batch", "control"
-EFFECT, EQUIVALENCE = "effect", "equivalence"
 
 
 @dataclass(frozen=True)
@@ -91,13 +90,16 @@ class Comparison:
     treatment: str
     control: str
     test: str  # EFFECT: how much the treatment changes convergence; EQUIVALENCE: whether it changes it at all
+    role: str = ""  # AGAINST_SYNC, NEGATIVE: the comparisons a finding singles out
 
 
 ROUNDING_CONTROL = Comparison(CONTROL, *ROUNDING, EQUIVALENCE)
 # a real difference (the learning rate): the equivalence test must flag it, else it has no power here
-NEGATIVE_CONTROL = Comparison(CONTROL, f"one process, {lr_tag(HIGH_LR)}", f"one process, {lr_tag(LOW_LR)}", EQUIVALENCE)
+NEGATIVE_CONTROL = Comparison(CONTROL, f"one process, {lr_tag(HIGH_LR)}", f"one process, {lr_tag(LOW_LR)}", EQUIVALENCE,
+                              NEGATIVE)
 COMPARISONS = (
-    *(Comparison(STALENESS, f"pipedream-2, {lr_tag(lr)}", f"1f1b-2, {lr_tag(lr)}", EFFECT) for lr in (LOW_LR, HIGH_LR)),
+    *(Comparison(STALENESS, f"pipedream-2, {lr_tag(lr)}", f"1f1b-2, {lr_tag(lr)}", EFFECT, AGAINST_SYNC)
+      for lr in (LOW_LR, HIGH_LR)),
     *(Comparison(STALENESS, f"pipedream-2, {lr_tag(lr)}", f"one process, {lr_tag(lr)}", EFFECT)
       for lr in (LOW_LR, HIGH_LR)),
     *(Comparison(STALENESS, f"1f1b-2, {lr_tag(lr)}", f"one process, {lr_tag(lr)}", EQUIVALENCE)
@@ -152,6 +154,7 @@ class Outcome:
     treatment: str
     control: str
     test: str
+    role: str = ""
     seeds: int = 0
     at_target: Interval | None = None  # samples to reach the target, relative to the control's
     at_end: Interval | None = None  # final validation metric, relative to the control's
@@ -161,10 +164,10 @@ class Outcome:
 
 
 def target_samples(curves: Curves, seed: int, target: float) -> float | None:
-    return statistics.crossing(curves.samples, curves.by_seed[seed], target, names_metric()[1])
+    return statistics.crossing(curves.samples, curves.by_seed[seed], target, metric()[1])
 
 
-def names_metric() -> tuple[str, bool]:
+def metric() -> tuple[str, bool]:
     from repro.report.collect import METRIC
 
     return METRIC[WORKLOAD]
@@ -183,7 +186,7 @@ def rounding_margin(arms: dict[str, Curves]) -> float:
 
 
 def compare(comparison: Comparison, arms: dict[str, Curves], target: float) -> Outcome:
-    outcome = Outcome(comparison.group, comparison.treatment, comparison.control, comparison.test)
+    outcome = Outcome(comparison.group, comparison.treatment, comparison.control, comparison.test, comparison.role)
     treatment, control = arms.get(comparison.treatment), arms.get(comparison.control)
     paired = [seed for seed in range(len(control.by_seed)) if treatment.by_seed[seed] and control.by_seed[seed]] \
         if treatment and control else []
@@ -271,7 +274,7 @@ def curves_of(one: Arm, seeded: list[Recipe], newest: dict[str, str], uri: str) 
     from repro.report.collect import history
     from repro.tracking import client
 
-    mlflow_client, key = client(uri), names_metric()[0]
+    mlflow_client, key = client(uri), metric()[0]
     by_seed = []
     for r in seeded:
         run_id = newest.get(r.fingerprint())

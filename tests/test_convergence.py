@@ -23,7 +23,7 @@ CONTROL = [[47.8, 26.15, 19.52, 16.0], [48.3, 26.6, 19.9, 16.2], [47.1, 25.8, 19
 
 
 def curves(name: str, by_seed: list[list[float]]) -> Curves:
-    return Curves(name, "ddp", 1, 0.001, 8, SAMPLES, by_seed)
+    return Curves(name, "ddp", 1, ARMS[name].lr if name in ARMS else 0.001, 8, SAMPLES, by_seed)
 
 
 def scaled(by_seed: list[list[float]], factors: list[float]) -> list[list[float]]:
@@ -115,7 +115,7 @@ def test_findings_rest_on_the_study_with_effects_and_intervals():
     megatron = verdicts["megatron_statistical_efficiency"]
     assert megatron.verdict == FAILS and "final perplexity +10.0% [" in "\n".join(megatron.evidence)
     rq3 = {a.key: a for a in answers.answer(Results([], 2, study=study), [8])}["RQ3"]
-    assert rq3.sentences[0].text.startswith("At equal settings (Adam at lr 0.001 and lr 0.003, global batch 8, 160 steps")
+    assert rq3.sentences[0].text.startswith("At equal settings (Adam at lr 0.001 and 0.003, global batch 8, 160 steps")
 
 
 @pytest.mark.units

@@ -16,6 +16,7 @@ import yaml
 from repro.report import settings as run_settings
 from repro.report.collect import Result
 from repro.report.convergence import effect_text, outcomes
+from repro.report.statistics import STALENESS
 from repro.report.evidence import COMM_CHECKS, MEMORY_CHECKS, Results, mib, thresholds_path
 from repro.report.predicted import model_error, paper_gpus_note
 
@@ -186,12 +187,12 @@ def rq3(res: Results) -> list[Sentence]:
 def staleness_sentences(res: Results) -> list[Sentence]:
     """The convergence study's staleness comparisons: PipeDream against a synchronous pipeline with the same
     stages and against one process, at each learning rate, with the step counts."""
-    found = outcomes(res, "staleness")
+    found = outcomes(res, STALENESS)
     if not found:
         return []
     plan = res.study["plan"]
-    rates = sorted({o["treatment"].split(", ")[-1] for o in found})
-    head = (f"At equal settings (Adam at {' and '.join(rates)}, global batch 8, {plan['evals'] * plan['steps_per_eval']} "
+    rates = sorted({res.study["arms"][o["treatment"]]["lr"] for o in found if o["treatment"] in res.study["arms"]})
+    head = (f"At equal settings (Adam at lr {' and '.join(f'{lr:g}' for lr in rates)}, global batch 8, {plan['evals'] * plan['steps_per_eval']} "
             f"steps validated every {plan['steps_per_eval']}, {len(res.study['seeds'])} seeds, "
             f"{res.study['workload']}'s reduced model; reports/convergence.md): ")
     return [Sentence(head + "; ".join(effect_text(o) for o in found) + ".", MEASURED)]

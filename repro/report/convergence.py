@@ -15,7 +15,8 @@ from typing import Any, Callable
 from repro.report import settings as run_settings
 from repro.report.collect import METRIC, Result
 from repro.report.evidence import FAILS, HOLDS, INCONCLUSIVE, NOT_TESTABLE, Results, better, combine
-from repro.report.statistics import DIFFERENT, EQUIVALENT, Interval
+from repro.report.statistics import (AGAINST_SYNC, CONTROL, DIFFERENT, EFFECT, EQUIVALENCE, EQUIVALENT, IDENTITY, MEGATRON,
+                                     NEGATIVE, STALENESS, Interval)
 
 Check = Callable[[Results, dict[str, Any]], tuple[str, list[str]]]
 CONTEXT = "context (the matrix's runs, each framework with its own settings: not judged): "
@@ -63,11 +64,11 @@ def with_context(study_check: Callable[[Results, dict[str, Any]], tuple[str, lis
 def identity_verdict(res: Results, t: dict[str, Any]) -> tuple[str, list[str]] | None:
     """The data-parallel frameworks against DDP by the equivalence test; the negative control (a changed
     learning rate) must come out different, else the test cannot tell frameworks apart here."""
-    found, controls = outcomes(res, "data-parallel identity"), outcomes(res, "control")
+    found, controls = outcomes(res, IDENTITY), outcomes(res, CONTROL)
     if not found:
         return None
     notes = [f"At equal settings, {study_plan(res)}:", *(effect_text(o) for o in found + controls)]
-    negative = next((o for o in controls if "lr" in o["treatment"]), None)
+    negative = next((o for o in controls if o["role"] == NEGATIVE), None)
     verdicts = {o["verdict"] for o in found}
     if negative is None or negative["verdict"] != DIFFERENT:
         notes.append("the negative control (a changed learning rate) is not flagged as different: the test has no "
@@ -188,8 +189,8 @@ def slower_by(o: dict[str, Any], t: dict[str, Any]) -> str:
 
 
 def study_pipedream_slower(res: Results, t: dict[str, Any]) -> tuple[str, list[str]] | None:
-    found = outcomes(res, "staleness")
-    against_sync = [o for o in found if o["treatment"].startswith("pipedream") and o["control"].startswith("1f1b")]
+    found = outcomes(res, STALENESS)
+    against_sync = [o for o in found if o["role"] == AGAINST_SYNC]
     if not against_sync:
         return None
     per_rate = [(o, slower_by(o, t)) for o in against_sync]
@@ -256,11 +257,11 @@ def parity_row(res: Results, framework: str) -> dict[str, Any] | None:
 def study_megatron(res: Results, t: dict[str, Any]) -> tuple[str, list[str]] | None:
     """Better per epoch needs Megatron-intra to beat DDP at equal batch (a lower final perplexity, interval
     below zero); equivalence there puts any gap seen in the matrix on the settings and the batch."""
-    found = outcomes(res, "Megatron's effective batch")
-    equal = next((o for o in found if o["test"] == "equivalence"), None)
+    found = outcomes(res, MEGATRON)
+    equal = next((o for o in found if o["test"] == EQUIVALENCE), None)
     if equal is None:
         return None
-    batch = next((o for o in found if o["test"] == "effect"), None)
+    batch = next((o for o in found if o["test"] == EFFECT), None)
     notes = [f"At equal settings, {study_plan(res)}:", *(effect_text(o) for o in found)]
     better_at_equal = equal["verdict"] == DIFFERENT and equal["at_end"].high < 0
     costs = batch is not None and batch["at_end"] is not None and batch["at_end"].low > 0

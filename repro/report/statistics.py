@@ -17,6 +17,11 @@ from dataclasses import dataclass
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
          12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
 EQUIVALENT, DIFFERENT, INCONCLUSIVE = "equivalent", "different", "inconclusive"
+# the convergence study's questions and kinds of test (repro.convergence writes them, the findings read them)
+STALENESS, IDENTITY, MEGATRON, CONTROL = "staleness", "data-parallel identity", "Megatron's effective batch", "control"
+EFFECT, EQUIVALENCE = "effect", "equivalence"
+# the comparisons a finding singles out (an Outcome's `role`)
+AGAINST_SYNC, NEGATIVE = "stale against synchronous", "negative control"
 
 
 @dataclass(frozen=True)
