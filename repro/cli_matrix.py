@@ -65,7 +65,9 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed, after_each=early)
         click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
                    f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
-    if scale == "smoke" and not rows:  # the parity section: its report also feeds the findings
+    with_settings = None
+    if scale == "smoke" and not rows:  # the parity section and the convergence study: the findings read both
+        from repro import convergence as study_module
         from repro import parity as parity_module
 
         found = [row for model in ("gpt2", "vgg16")
@@ -74,13 +76,14 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
                                                  execute=not reports_only)
         for path in parity_module.write(found, reports, parity_module.STEPS, partings):
             click.echo(str(path))
-        from repro import convergence as study_module  # after parity: the findings read both reports
-
+        # its runs with memory settings, checked against the cost model beside the matrix's cells
+        with_settings = ([cell for model in ("gpt2", "vgg16") for cell in parity_module.setting_cells(model, scale)],
+                         f"parity-{scale}")
         # not the matrix's overrides, like the parity configurations: the study fixes its own settings
         study = study_module.run_study(scale, uri, f"convergence-{scale}", execute=not reports_only)
         for path in study_module.write(study, reports):
             click.echo(str(path))
-    for path in write_reports(cells, uri, experiment, reports, scale):
+    for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings):
         click.echo(str(path))
 
 

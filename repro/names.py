@@ -37,7 +37,8 @@ ERROR = "repro.error"
 INTERRUPTED = "repro.interrupted"
 FAILED_RANK = "repro.failed_rank"
 SETTLED = "repro.settled"
-END_TAGS = (ERROR, INTERRUPTED, FAILED_RANK, SETTLED)
+MODEL_CHECK_LINE = "repro.model_check"  # the run's check of the cost model against its counters, in one line (repro.model.check)
+END_TAGS = (ERROR, INTERRUPTED, FAILED_RANK, SETTLED, MODEL_CHECK_LINE)
 ERROR_CHARS = 4800  # what of an end's message the ERROR tag keeps (MLflow keeps 5000 characters of a tag)
 
 # tags of the report's own run (repro.report.build)
@@ -64,5 +65,5 @@ MODEL_STATE = "memory/model_state_bytes"
 ACTIVATION_PEAK = "memory/activation_peak_bytes"  # tensors saved for backward (repro.activation)
 ESTIMATED_PEAK = "memory/estimated_peak_bytes"  # model state + activation peak: a GPU's peak, estimated on CPU
 COMM_BYTES = "comm/bytes_per_step"  # payload a rank hands to its process groups in one step (repro.communication), busiest rank
-MODEL_CHECK = "model/{}_{}"  # {quantity}_{bytes|error}: the cost model's figure for a run, and its relative error
+MODEL_CHECK = "model/{}_{}"  # {quantity}_{bytes|error}: the cost model's figure for a run, and its relative error (logged at its end)
 COMM_KIND_BYTES = "comm/{}_bytes_per_step"  # {} is an operation kind (all_reduce, send, boundary:activation, ...)
