@@ -144,10 +144,7 @@ def convergence_curves(study: dict, path: Path) -> Path | None:
             ax.fill_between(x, [b.low for b in bands], [b.high for b in bands], color=line.get_color(), alpha=0.2)
         ax.axhline(study["target"], color="grey", linestyle="--", linewidth=1, label=f"target {study['target']:g}")
         key, higher = METRIC[study["workload"]]
-        ax.set(xlabel="training samples", ylabel=key, yscale="log", title=f"{group} ({'higher' if higher else 'lower'} "
-               "is better)")
-        ax.yaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
-        ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())  # else "2 x 10^1"
+        ax.set(xlabel="training samples", ylabel=key, title=f"{group} ({'higher' if higher else 'lower'} is better)")
         ax.legend(fontsize=7)
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
