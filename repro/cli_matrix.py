@@ -186,11 +186,12 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
     """Memory per GPU and communication per step of every Table 2 cell, predicted by the cost model.
 
     \b
-    Model state, activations and their sum (the estimated peak, without the allocator's cache and
-    communication scratch) per GPU, the payload each GPU hands to communication per step, and on
-    which devices the estimated peak fits; then at how many GPUs Megatron-intra's peak is lowest (the
-    paper's U). The model is checked against counted runs at smoke scale
-    (reports/model_check.md); 16-bit activations and GPU-only paths are unchecked. Imports no torch.
+    Model state, activations, what the loss's backward holds beside them and their sum (the estimated
+    peak, without the allocator's cache and communication scratch) per GPU, the payload each GPU hands
+    to communication per step, and on which devices the estimated peak fits; then at how many GPUs
+    Megatron-intra's peak is lowest (the paper's U). The model is checked against counted runs at smoke
+    scale (reports/model_check.md), 16-bit runs under autocast and FSDP's bf16 parameters included;
+    Megatron's own bf16 and GPU-only paths are unchecked. Imports no torch.
 
     \b
     Examples:
@@ -212,7 +213,7 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
 
     for workload in models or MODELS:
         click.echo(f"{workload}, {scale} scale: per GPU, GiB; communication MiB per step (payload handed)")
-        click.echo(f"  {'row':<16}{'gpus':>5}{'state':>9}{'activ.':>9}{'peak':>9}{'comm':>10}  fits")
+        click.echo(f"  {'row':<16}{'gpus':>5}{'state':>9}{'activ.':>9}{'loss bwd':>9}{'peak':>9}{'comm':>10}  fits")
         intra: dict[int, float] = {}  # the paper's U: where Megatron-intra's memory per GPU is lowest
         over: dict[str, list] = {}  # row -> its (gpus, prediction) above the smaller of the paper's GPUs
         for entry in matrix_predictions(workload, scale):
@@ -223,7 +224,7 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
                 intra[entry["gpus"]] = p.estimated_peak
             fits = [name for name, size in devices.items() if p.fit_bytes <= size * 2**30]
             note = "" if p.estimated_peak is not None else " (by model state: activations not predicted on this device)"
-            click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{gib(p.model_state):>9}{gib(p.activations):>9}"
+            click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{gib(p.model_state):>9}{gib(p.activations):>9}{gib(p.transient):>9}"
                        f"{gib(p.estimated_peak):>9}{p.comm_bytes / 2**20:>10.1f}  {', '.join(fits) or 'none'}{note}")
         if len(intra) >= 3:
             lowest, shape = memory_minimum(intra)

@@ -17,6 +17,7 @@ from repro.workloads.vgg16_plan import NUM_CLASSES
 # "M" a 2x2 max-pool (torchvision.models.vgg.cfgs["D"])
 VGG16_D = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 INT64 = 8
+FP32 = 4
 Rows = tuple[int, int]  # a parameter tensor as (dim-0 size, elements per dim-0 row)
 
 
@@ -64,46 +65,73 @@ class GPT2Shape:
         """The head's weight, shared with the token embedding (a copy where a pipeline unties it)."""
         return self.vocab * self.d_model
 
-    def activation_bytes(self, batch: int, element: int = 4, mask: int = 1) -> int:
+    def linear_elements(self) -> int:
+        """Parameter elements of the nn.Linear modules (the blocks' four, weights and biases; the head is a
+        functional linear on the embedding's weight)."""
+        d = self.d_model
+        return self.n_layer * (12 * d * d + 9 * d)
+
+    def activation_bytes(self, batch: int, element: int = 4, mask: int = 1, autocast: bool = False) -> int:
         """The whole model's `layer_activations`, summed in closed form."""
-        embedding, block, head = (self.layer_activations(batch, element, mask, layers=1)[i] for i in (0, 1, 2))
+        embedding, block, head = self.layer_activations(batch, element, mask, layers=1, autocast=autocast)
         return embedding + self.n_layer * block + head
 
-    def layer_activations(self, batch: int, element: int = 4, mask: int = 1, layers: int | None = None) -> list[int]:
+    def layer_activations(self, batch: int, element: int = 4, mask: int = 1, layers: int | None = None,
+                          autocast: bool = False) -> list[int]:
         """Bytes each layer saves for backward at `batch` sequences (docs/memory.md, "One GPT-2 block,
-        by hand"): a block with its input 16 N d + (4 + h) N elements, N = batch x seq_len tokens; the
-        embedding its token ids and positions (int64); the head its layer norm's input and statistics, the
-        projection's input and the loss's log-softmax (fp32: the loss upcasts), targets and total weight.
-        With dropout, each nn.Dropout saves a mask of `mask` bytes per element of its input (the embedding's, and two per block:
-        after attention and after the MLP). Attention's own dropout is inside SDPA: its fused kernels keep
-        the logsumexp (h N elements) whether or not they drop (unchecked on GPUs); its math path
-        (`math_attention`) keeps instead the softmax's output, the dropout's noise (`mask` bytes an element)
-        and the dropped probabilities, batch x h x seq_len^2 elements each (aten's
-        _scaled_dot_product_attention_math: softmax, dropout as a product with the noise, a matmul with v)."""
+        by hand"): a block with its input 16 N d + 4 N elements and attention's h N fp32 log-sum-exp, N =
+        batch x seq_len tokens; the embedding its token ids and positions (int64); the head its layer
+        norm's input and statistics, the projection's input and the loss's log-softmax (fp32: the loss
+        upcasts), targets and total weight. Under `autocast` (16-bit `element` over fp32 weights:
+        docs/memory.md, "16-bit activations") the residual stream stays fp32 (the embedding's fp32 sum
+        plus 16-bit branches promotes), so the layer norms save fp32 inputs and statistics, and every
+        linear layer saves the 16-bit copy of its weight that autocast casts (12 d^2 a block, the tied
+        head's V d). With dropout, each nn.Dropout saves a mask of `mask` bytes per element of its input
+        (the embedding's, and two per block: after attention and after the MLP). Attention's own dropout
+        is inside SDPA: its fused kernels keep the logsumexp (h N fp32) whether or not they drop
+        (unchecked on GPUs); its math path (`math_attention`) keeps instead the softmax's output, the
+        dropout's noise (`mask` bytes an element) and the dropped probabilities, batch x h x seq_len^2
+        elements each (aten's _scaled_dot_product_attention_math: softmax, dropout as a product with the
+        noise, a matmul with v; in 16 bits unchecked)."""
         n, d = batch * self.seq_len, self.d_model
         masked = mask * n * d if self.dropout else 0
-        attention = element * self.n_head * n
+        attention = FP32 * self.n_head * n
         if self.dropout and self.math_attention:
             attention = (2 * element + mask) * batch * self.n_head * self.seq_len**2
-        block = element * (16 * n * d + 4 * n) + attention + 2 * masked
-        head = element * (2 * n * d + 2 * n) + 4 * n * self.vocab + INT64 * n + 4
+        norm = (FP32 if autocast else element) * (n * d + 2 * n)  # a layer norm's input, mean and rstd
+        copies = element if autocast else 0  # bytes per weight element of autocast's saved casts
+        block = 2 * norm + element * 14 * n * d + attention + copies * 12 * d * d + 2 * masked
+        head = norm + element * n * d + copies * self.vocab * d + self.loss_bytes(batch)
         embedding = INT64 * (n + self.seq_len) + masked
         return [embedding, *([block] * (self.n_layer if layers is None else layers)), head]
 
     def stage_activation_bytes(self, start: int, stop: int, batch: int, element: int = 4, mask: int = 1,
-                               keep_input: bool = False) -> int:
+                               keep_input: bool = False, autocast: bool = False) -> int:
         """Bytes layers start..stop-1 save for backward at `batch` sequences (`layer_activations`, in closed
         form): every layer saves its own input, so a stage's received input is counted by its first layer
         (`keep_input` changes nothing)."""
-        embedding, block, head = self.layer_activations(batch, element, mask, layers=1)
+        embedding, block, head = self.layer_activations(batch, element, mask, layers=1, autocast=autocast)
         blocks = max(0, min(stop, self.n_layer + 1) - max(start, 1))
         return (embedding if start == 0 else 0) + blocks * block + (head if stop == self.n_layer + 2 else 0)
+
+    def weight_copy_bytes(self, start: int, stop: int, element: int) -> int:
+        """Bytes of autocast's 16-bit weight copies that layers start..stop-1 save (`layer_activations`):
+        12 d^2 a block, the tied head's V d."""
+        blocks = max(0, min(stop, self.n_layer + 1) - max(start, 1))
+        return element * (blocks * 12 * self.d_model**2 + (self.tied_elements() if stop == self.n_layer + 2 else 0))
 
     def loss_bytes(self, batch: int) -> int:
         """What the loss saves (in the head's `layer_activations`): the fp32 log-softmax, the int64
         targets and the total weight."""
         tokens = batch * self.seq_len
         return 4 * tokens * self.vocab + INT64 * tokens + 4
+
+    def loss_backward_bytes(self, batch: int) -> int:
+        """What the loss's backward holds beyond what it saved, at its largest moment: nll_loss's backward
+        makes a dense gradient of the log-softmax output and log_softmax's backward one of its input, each
+        tokens x vocabulary fp32, beside the saved log-softmax output (tools/autograd/derivatives.yaml:
+        nll_loss_forward, _log_softmax)."""
+        return 2 * FP32 * batch * self.seq_len * self.vocab
 
     def stage_starts(self) -> list[bool]:
         return [True] * (self.n_layer + 2)
@@ -112,10 +140,16 @@ class GPT2Shape:
         """The layer ranges (start, stop) that full recompute checkpoints: each transformer block."""
         return [(index, index + 1) for index in range(1, self.n_layer + 1)]
 
-    def batch_views(self, batch: int) -> tuple[int, int]:
+    def batch_views(self, batch: int, autocast: bool = False) -> tuple[int, int]:
         """Bytes of what the first layer saves of the input batch (token ids) and the last of the targets:
-        a micro-batch cut from a batch is a view, and saving it keeps the whole batch's storage."""
+        a micro-batch cut from a batch is a view, and saving it keeps the whole batch's storage (integers:
+        autocast casts neither)."""
         return INT64 * batch * self.seq_len, INT64 * batch * self.seq_len
+
+    @staticmethod
+    def block_output_width(element: int, autocast: bool) -> int:
+        """Bytes per element of a block's output: under autocast the residual stream stays fp32."""
+        return FP32 if autocast else element
 
     def output_elements(self, batch: int) -> list[int]:
         """Elements of each layer's output at `batch` sequences: a pipeline's activation across a cut
@@ -187,6 +221,11 @@ class VGG16Shape:
         ends = [index + 1 for index, (kind, _, _) in enumerate(self.layers()) if kind == "pool"]
         return list(zip([0, *ends[:-1]], ends))
 
+    @staticmethod
+    def block_output_width(element: int, autocast: bool) -> int:
+        """Bytes per element of a block's output (a max-pool's, in `element` under autocast too)."""
+        return element
+
     def output_elements(self, batch: int) -> list[int]:
         """Elements of each layer's output at `batch` images (what a pipeline hands across a cut after it)."""
         return [batch * out for _, _, out in self.layers()]
@@ -194,8 +233,12 @@ class VGG16Shape:
     def tied_elements(self) -> int:
         return 0
 
+    def linear_elements(self) -> int:
+        """Parameter elements of the nn.Linear and nn.Conv2d modules: all of them."""
+        return parameters(self)
+
     def stage_activation_bytes(self, start: int, stop: int, batch: int, element: int = 4, mask: int = 1,
-                               keep_input: bool = False) -> int:
+                               keep_input: bool = False, autocast: bool = False) -> int:
         """Bytes layers start..stop-1 save for backward at `batch` images, as distinct storages (PyTorch's
         autograd formulas, tools/autograd/derivatives.yaml): a convolution, a max-pool, an average pool to
         more than 1x1 (to 1x1 torch takes a mean, which saves nothing) and a linear save their input; a
@@ -204,16 +247,22 @@ class VGG16Shape:
         balance may cut there); a max-pool its int64 indices; a dropout with p > 0 a mask of `mask` bytes per
         element and a new output, with p = 0 it returns its input, as flatten returns a view. A stage after the first receives its input as a new tensor (saved by its first layer if
         that layer saves its input, or always with `keep_input`: torchgpipe's checkpoint keeps it); the
-        first stage's input is the image batch; the last stage also holds the loss (`loss_bytes`)."""
+        first stage's input is the image batch; the last stage also holds the loss (`loss_bytes`). Under
+        `autocast` (16-bit `element` over fp32 weights) a convolution and a linear layer also save the
+        16-bit copy of their weight that autocast casts, and the first convolution the 16-bit copy of the
+        images (the `element` wide input already counted)."""
         layers, sizes, saved = self.layers(), {}, set()
         root = ("input", start)
         sizes[root] = element * batch * (layers[start - 1][2] if start else 3 * self.image_size**2)
         if keep_input:
             saved.add(root)
         for index in range(start, stop):
-            kind, _, out = layers[index]
+            kind, tensors, out = layers[index]
             if kind in ("conv", "pool", "linear") or (kind == "avgpool" and self.pool_size > 1):
                 saved.add(root)
+            if autocast and kind in ("conv", "linear"):
+                sizes[("cast", index)] = element * tensors[0][0] * tensors[0][1]  # the weight; its bias is not saved
+                saved.add(("cast", index))
             if kind == "pool":
                 sizes[("indices", index)] = INT64 * batch * out
                 saved.add(("indices", index))
@@ -230,19 +279,31 @@ class VGG16Shape:
         loss = self.loss_bytes(batch) if stop == len(layers) else 0
         return sum(sizes[key] for key in saved) + loss
 
+    def weight_copy_bytes(self, start: int, stop: int, element: int) -> int:
+        """Bytes of autocast's 16-bit weight copies that layers start..stop-1 save: every convolution's
+        and linear layer's weight (`stage_activation_bytes`)."""
+        return element * sum(rows * row for kind, tensors, _ in self.layers()[start:stop] if kind in ("conv", "linear")
+                             for rows, row in tensors[:1])
+
     def loss_bytes(self, batch: int) -> int:
         """What the loss saves: the fp32 log-softmax, the int64 targets and the total weight."""
         return 4 * batch * self.classes + INT64 * batch + 4
 
-    def batch_views(self, batch: int) -> tuple[int, int]:
-        """Bytes of what the first layer saves of the input batch (the fp32 images) and the loss of the
-        targets (int64): micro-batches cut from a batch are views of its storage."""
-        return 4 * batch * 3 * self.image_size**2, INT64 * batch
+    def loss_backward_bytes(self, batch: int) -> int:
+        """What the loss's backward holds beyond what it saved (GPT2Shape.loss_backward_bytes): two fp32
+        gradients of images x classes."""
+        return 2 * FP32 * batch * self.classes
 
-    def activation_bytes(self, batch: int, element: int = 4, mask: int = 1) -> int:
+    def batch_views(self, batch: int, autocast: bool = False) -> tuple[int, int]:
+        """Bytes of what the first layer saves of the input batch (the fp32 images) and the loss of the
+        targets (int64): micro-batches cut from a batch are views of its storage. Under `autocast` the
+        first convolution saves a 16-bit copy of its micro-batch instead, no view (0 bytes)."""
+        return (0 if autocast else FP32 * batch * 3 * self.image_size**2), INT64 * batch
+
+    def activation_bytes(self, batch: int, element: int = 4, mask: int = 1, autocast: bool = False) -> int:
         """Bytes saved for backward at `batch` images, at the end of the forward: every layer's
         (`stage_activation_bytes`), the image batch itself the first convolution's input."""
-        return self.stage_activation_bytes(0, len(self.layers()), batch, element, mask)
+        return self.stage_activation_bytes(0, len(self.layers()), batch, element, mask, autocast=autocast)
 
 
 def shape_of(workload: str, model: Any, dataset: str) -> GPT2Shape | VGG16Shape:

@@ -311,8 +311,8 @@ def test_building_the_ops_ahead_says_why_not_where_this_machine_cannot(monkeypat
 
 def test_a_run_over_its_gpus_memory_is_refused_naming_the_setting_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     """GPT-2-medium under DDP at paper scale fits a V100-16GB with its recipe's own settings (every block
-    recomputed, micro-batches of 8: 8.6 GiB); without them (every activation kept) it needs 38.4 GiB per GPU,
-    and the refusal names micro-batches of 8 (no recompute needed), with the model's peak for the recipe
+    recomputed, micro-batches of 8: 12.1 GiB); without them (every activation kept) it needs 54.5 GiB per GPU,
+    and the refusal names micro-batches of 4 (no recompute needed), with the model's peak for the recipe
     with that --set applied; torch's 1F1B at 1 GPU applies neither setting (its schedule sets its
     micro-batches), so its refusal names none."""
     from repro.model import costs
@@ -324,12 +324,12 @@ def test_a_run_over_its_gpus_memory_is_refused_naming_the_setting_that_fits(monk
     unset = ["run.framework=ddp", "run.gpus=1", "train.recompute=null", "train.micro_batch=null"]
     with pytest.raises(LaunchError) as refused:
         preflight.check_memory(load_file(paper, unset), Launch())
-    fitted = load_file(paper, [*unset, "train.micro_batch=8"])
+    fitted = load_file(paper, [*unset, "train.micro_batch=4"])
     peak = costs.predict(costs.cell_of(fitted)).fit_bytes
-    assert round(peak / 2**30, 2) == 14.56
+    assert round(peak / 2**30, 2) == 13.17
     assert str(refused.value) == (
-        "memory: predicted 38.4 GiB per GPU (ddp, repro.model.costs), over this machine's GPU memory, 16.0 GiB; "
-        f"--set train.micro_batch=8 fits ({peak / 2**30:.1f} GiB per GPU); --ignore-memory-check to launch anyway")
+        "memory: predicted 54.5 GiB per GPU (ddp, repro.model.costs), over this machine's GPU memory, 16.0 GiB; "
+        f"--set train.micro_batch=4 fits ({peak / 2**30:.1f} GiB per GPU); --ignore-memory-check to launch anyway")
     with pytest.raises(LaunchError) as refused:
         preflight.check_memory(load_file(paper, ["run.framework=torch-pipeline", "run.gpus=1"]), Launch())
     assert str(refused.value).endswith("over this machine's GPU memory, 16.0 GiB; --ignore-memory-check to launch anyway")

@@ -9,8 +9,10 @@ source). No term copies a measured number: `tests/test_costmodel.py` and `report
 the model against the counters (repro.metrics.model_state, repro.activation, repro.communication).
 
 Sizes are in bytes. Weights, gradients and optimizer state are fp32 under every precision the kit uses
-(autocast keeps fp32 weights), so model state does not depend on precision; activations in 16-bit
-precision use 2-byte elements, unchecked until a GPU run (smoke runs are fp32).
+(autocast keeps fp32 weights), so model state depends on precision only through ZeRO's buckets
+(`autocast_reduction`); activations in 16-bit precision use 2-byte elements (bf16 and fp16 alike) where
+autocast computes in 16 bits and fp32 where it does not (repro.model.terms.autocasts; docs/memory.md,
+"16-bit activations"), counted on CPU; Megatron's own bf16 is unchecked until a GPU run.
 
 Communication is the payload a rank hands to its process group per step, per kind of operation (what
 repro.communication counts). What a ring moves on the wire follows from it (`wire_bytes`).
@@ -27,7 +29,9 @@ from typing import Any
 
 from repro.hardware import automatic_precision
 from repro.model.pipelines import busiest, pipedream, torch_pipeline, torchgpipe
-from repro.model.terms import ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, optimizer_bytes
+from repro.model.terms import (
+    ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, autocasts, loss_transient, optimizer_bytes,
+)
 from repro.shapes import INT64, GPT2Shape, VGG16Shape, dim0_sharded, flat_sharded, parameters, shape_of, tensor_at, tensor_count
 
 DEEPSPEED_ALIGNMENT = 2  # deepspeed/runtime/zero/stage_1_and_2.py: nccl_start_alignment_factor (x dp size)
@@ -64,6 +68,8 @@ def zero(cell: Cell) -> Prediction:
     such a parameter's gradient whole; the busiest rank counts), plus the gradient that completes last in
     backward when it is larger than the bucket (`held_whole`), plus one fp32 scalar the ZeRO
     optimizer holds at the end of backward (seen among its tensors, not identified further).
+    Under autocast one bucket per reduction dtype, and the linear layers' gradients are reduced in 16 bits
+    (`autocast_reduction`).
     Communication (DeepSpeed's `average_tensor`/`reduce_ipg_grads`; stage 1 reduces the same buckets,
     its contiguous-gradient hooks on): every gradient bucket is reduced (on gloo the reduce-scatter runs
     as an all-reduce of the bucket: the whole gradient), the gradient norm is all-reduced (one fp32),
@@ -78,12 +84,13 @@ def zero(cell: Cell) -> Prediction:
     part = zero_partition(psi, n)
     bucket = min(cell.option("reduce_bucket_size", 500_000_000), psi)
     w = deepspeed_element(cell)
+    reduced, buckets = autocast_reduction(cell, psi)
     grads = w * (psi if stage == 1 else part + straddling(cell.shape, part, n) + held_whole(cell.shape, bucket))
-    grads += w * bucket + FP32
+    grads += w * bucket * buckets + FP32
     if stage == 2 and k > 1:
         grads += w * (part + straddling(cell.shape, part, n))  # the accumulated gradients of the partition's parameters
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
-    comm = {"all_reduce": w * psi * (k if stage == 2 else 1) + FP32 + overflow_flag(cell)}
+    comm = {"all_reduce": reduced * (k if stage == 2 else 1) + FP32 + overflow_flag(cell)}
     if n > 1:
         comm["all_gather"] = w * part
     return Prediction(w * part * n, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
@@ -100,6 +107,18 @@ def overflow_flag(cell: Cell) -> int:
     """fp16's dynamic loss scale: DeepSpeed all-reduces a 1-byte overflow flag over the ranks every step
     (zero/stage_1_and_2.py and zero/stage3.py, `has_overflow`), so that all skip the step or none does."""
     return 1 if cell.precision == "fp16" else 0
+
+
+def autocast_reduction(cell: Cell, psi: int) -> tuple[int, int]:
+    """(bytes of every gradient as ZeRO 1-2 reduces them, reduction buckets): under DeepSpeed's torch_autocast
+    (the adapter's bf16 path) the parameters of nn.Linear and nn.Conv modules reduce their gradients in the
+    autocast dtype, the others in fp32 (deepspeed/runtime/torch_autocast.py, `init_autocast_params`), and
+    each dtype has its own bucket of reduce_bucket_size fp32 elements (stage_1_and_2.py, `ipg_buckets`,
+    `setup_buckets`)."""
+    if not autocasts(cell):
+        return deepspeed_element(cell) * psi, 1
+    low = cell.shape.linear_elements()
+    return FP32 * (psi - low) + ACTIVATION_ELEMENT[cell.precision] * low, 1 if low == psi else 2
 
 
 ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance (elements), which the adapter leaves as is
@@ -329,11 +348,20 @@ MODELS = {"ddp": ddp, "zero": zero, "fsdp": fsdp, "megatron": megatron, "torchgp
           "torch-pipeline": torch_pipeline, "pipedream": pipedream}
 
 
+# the frameworks whose rank runs torch's cross entropy on the whole model's output (`loss_transient`); Megatron's
+# vocabulary-parallel loss computes its gradient in place of its saved softmax (tensor_parallel/cross_entropy.py),
+# and a pipeline's loss is on its last stage, not always the busiest rank's: not modelled there
+WHOLE_LOSS = ("ddp", "zero", "fsdp")
+
+
 def predict(cell: Cell) -> Prediction:
     """The model of `cell`'s framework; KeyError naming the modelled ones when it has none."""
     if cell.framework not in MODELS:
         raise KeyError(f"no cost model for {cell.framework!r}; modelled: {', '.join(MODELS)}")
-    return MODELS[cell.framework](cell)
+    prediction = MODELS[cell.framework](cell)
+    if cell.framework in WHOLE_LOSS and prediction.activations is not None:
+        return dataclasses.replace(prediction, transient=loss_transient(cell))
+    return prediction
 
 
 def wire_bytes(kind: str, payload: int, group: int) -> float:

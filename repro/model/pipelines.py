@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 
 from repro.model.terms import (
-    ACTIVATION_ELEMENT, FP32, Cell, Prediction, even_balance, optimizer_bytes, split,
+    ACTIVATION_ELEMENT, FP32, Cell, Prediction, autocasts, even_balance, optimizer_bytes, split,
 )
 from repro.partition import balance
 from repro.shapes import GPT2Shape, VGG16Shape
@@ -158,7 +158,8 @@ def torch_pipeline(cell: Cell) -> Prediction:
     elements, tensors = max(rank_shares(cell, sizes, ranks))
     comm: dict[str, int] = {}
     if ranks > 1:
-        crossing = [FP32 * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu * cell.gpus)]
+        width = cell.shape.block_output_width(ACTIVATION_ELEMENT[cell.precision], autocasts(cell))  # what a cut carries
+        crossing = [width * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu * cell.gpus)]
         comm = busiest([pipeline_rank_comm(cell, crossing, rank, ranks, count) for rank in range(ranks)])
     whole = cell.batch_per_gpu * cell.gpus
     micro = cell.option("microbatches", None) or 2 * cell.gpus
@@ -201,8 +202,10 @@ def stage_activations(cell: Cell, sizes: list[int], batch: int, whole: int | Non
     starts = [sum(sizes[:stage]) for stage in range(len(sizes) + 1)]
     weights = [sum(layer) for layer in cell.shape.layer_tensors()]
 
+    autocast = autocasts(cell)
+
     def saved(start: int, stop: int) -> int:
-        return cell.shape.stage_activation_bytes(start, stop, batch, element, mask)
+        return cell.shape.stage_activation_bytes(start, stop, batch, element, mask, autocast=autocast)
 
     per_micro = [saved(starts[s], starts[s + 1]) for s in range(len(sizes))]
     tails = []
@@ -210,8 +213,13 @@ def stage_activations(cell: Cell, sizes: list[int], batch: int, whole: int | Non
         last = max((index for index in range(starts[s], starts[s + 1]) if weights[index]), default=starts[s] - 1)
         tails.append(per_micro[s] - saved(starts[s], last + 1) + (cell.shape.loss_bytes(batch) if s == len(sizes) - 1 else 0))
     once: dict[int, int] = {}
+    if autocast:  # one autocast context around the whole schedule: its cached weight copies serve every micro-batch
+        for s in range(len(sizes)):
+            copies = cell.shape.weight_copy_bytes(starts[s], starts[s + 1], element)
+            per_micro[s] -= copies
+            once[s] = copies
     if whole is not None:
-        views, whole_views = cell.shape.batch_views(batch), cell.shape.batch_views(whole)
+        views, whole_views = cell.shape.batch_views(batch, autocast), cell.shape.batch_views(whole, autocast)
         for stage, index in ((0, 0), (len(sizes) - 1, 1)):
             per_micro[stage] -= views[index]
             once[stage] = once.get(stage, 0) + whole_views[index]

@@ -2,8 +2,9 @@
 without torch: what `repro predict` prints and what findings quote.
 
 A prediction is the model's, checked against the counters at smoke scale (reports/model_check.md,
-tests/test_costmodel.py) to costs.BOUNDS; at paper scale its 16-bit activation terms and GPU-only
-paths are unchecked until a GPU run.
+tests/test_costmodel.py) to costs.BOUNDS, 16-bit runs under autocast and FSDP's bf16 parameters
+included; at paper scale Megatron's own bf16 (Float16Module) and GPU-only paths are unchecked until a
+GPU run (docs/memory.md, "16-bit activations": one H200 run's peaks against the model).
 """
 from __future__ import annotations
 
@@ -276,4 +277,4 @@ def quoted(values: list[str]) -> str:
     """How findings mark a predicted figure: a prediction of a model checked at smoke scale, not a measurement."""
     bounds = ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costs.BOUNDS.items())
     return (f"predicted by the cost model (checked against counted smoke runs to {bounds}; "
-            f"16-bit activations unchecked): {'; '.join(values)}")
+            f"Megatron's bf16 activations unchecked): {'; '.join(values)}")

@@ -55,6 +55,7 @@ class Prediction:
     optimizer: int
     activations: int | None  # None: not modelled for this framework and workload
     comm: dict[str, int]
+    transient: int | None = None  # held beyond model state and activations at the step's largest moment (`loss_transient`); None: not modelled
 
     @property
     def model_state(self) -> int:
@@ -66,8 +67,10 @@ class Prediction:
 
     @property
     def estimated_peak(self) -> int | None:
-        """Model state + activations: what the CPU stand-ins measure as `memory/estimated_peak_bytes`."""
-        return None if self.activations is None else self.model_state + self.activations
+        """Model state + activations + the transient: what a GPU's allocator holds at the step's largest
+        moment (the CPU stand-ins' `memory/estimated_peak_bytes` counts the first two: the counters see
+        no transient)."""
+        return None if self.activations is None else self.model_state + self.activations + (self.transient or 0)
 
     @property
     def fit_bytes(self) -> int:
@@ -82,36 +85,68 @@ def optimizer_bytes(cell: Cell, elements: int, tensor_count: int) -> int:
     return per_element * elements + per_tensor * tensor_count
 
 
-def activations(cell: Cell, batch: int) -> int | None:
+AUTOCAST_FRAMEWORKS = ("ddp", "zero", "torch-pipeline")  # their adapters' 16-bit runs under torch.autocast
+
+
+def autocasts(cell: Cell) -> bool:
+    """Whether a 16-bit cell computes under torch.autocast over fp32 weights (repro/adapters/base.py
+    `autocast`; ZeRO's bf16 through DeepSpeed's torch_autocast): DDP, torch-pipeline and ZeRO but its fp16,
+    DeepSpeed's own fp16 mode (an fp16 module: repro/adapters/zero.py). FSDP's MixedPrecisionPolicy casts
+    the parameters themselves (repro/adapters/fsdp.py), Megatron has its own (`megatron_activations`), and
+    torchgpipe and PipeDream run fp32 only."""
+    return (cell.precision != "fp32" and cell.framework in AUTOCAST_FRAMEWORKS
+            and (cell.framework, cell.precision) != ("zero", "fp16"))
+
+
+def loss_transient(cell: Cell) -> int:
+    """Bytes the loss's backward holds for a moment beyond the model state and the activation peak
+    (shapes' `loss_backward_bytes`, per micro-batch): it runs first in backward, while everything the
+    forward saved is held, so it adds in full to the forward's end; with full recompute, where a block's
+    recomputation is the activation peak, only what the forward's end plus it exceeds that by. What a GPU's
+    allocator sees at its peak (docs/memory.md, "16-bit activations"), not what the CPU counters count."""
+    return activations(cell, cell.batch_per_gpu, loss_backward=True) - activations(cell, cell.batch_per_gpu)
+
+
+def activations(cell: Cell, batch: int, loss_backward: bool = False) -> int | None:
     """Activation peak of the whole model on one GPU, `batch` samples a step (docs/memory.md): without
     recompute the sum of what each layer saves for backward (reached at the end of the forward), with
     full recompute `recomputed_peak`; with micro-batches, one micro-batch's, but the first layer's input
-    and the loss's targets are views of the whole batch, whose storage they keep (`batch_views`)."""
-    element = ACTIVATION_ELEMENT[cell.precision]
+    and the loss's targets are views of the whole batch, whose storage they keep (`batch_views`; under
+    autocast the images are cast to a copy of the micro-batch, unless a checkpoint saves them first);
+    `loss_backward`: with the loss's backward at its largest moment (`loss_transient`)."""
+    element, autocast = ACTIVATION_ELEMENT[cell.precision], autocasts(cell)
     mask, micro = element if cell.device == "cpu" else 1, cell.micro_batch or batch
-    inputs, targets = (whole - part for whole, part in zip(cell.shape.batch_views(batch), cell.shape.batch_views(micro)))
+    cast_inputs = autocast and not cell.recomputed  # the first block's checkpoint saves the raw input
+    inputs, targets = (whole - part for whole, part in zip(cell.shape.batch_views(batch, cast_inputs),
+                                                           cell.shape.batch_views(micro, cast_inputs)))
+    targets += cell.shape.loss_backward_bytes(micro) if loss_backward else 0  # with the loss, as its targets
     if not cell.recomputed:
-        return cell.shape.activation_bytes(micro, element, mask) + inputs + targets
-    return recomputed_peak(cell.shape, cell.shape.blocks()[: cell.recomputed], micro, element, mask, (inputs, targets))
+        return cell.shape.activation_bytes(micro, element, mask, autocast) + inputs + targets
+    return recomputed_peak(cell.shape, cell.shape.blocks()[: cell.recomputed], micro, element, mask, (inputs, targets),
+                           autocast)
 
 
 def recomputed_peak(shape: GPT2Shape | VGG16Shape, blocks: list[tuple[int, int]], batch: int, element: int, mask: int,
-                    views: tuple[int, int]) -> int:
+                    views: tuple[int, int], autocast: bool = False) -> int:
     """Activation peak with `blocks` (layer ranges) under full recompute (torch.utils.checkpoint, docs/memory.md
     "Recompute"): the forward keeps each block's input (the checkpoint) and what the other layers save, the
     loss included; backward frees the layers after a block before it recomputes the block, whose whole set
     (its input included) is then held beside everything saved before it. The peak is the larger of the end
     of the forward and the largest of those moments. `views`: what the batch's input and targets keep
-    beyond the micro-batch's (the input's at every moment, the targets' with the loss only)."""
+    beyond the micro-batch's (the input's at every moment, the targets' with the loss only). Under
+    `autocast` a recomputation casts the block's weights again (in its set) and a checkpoint is the
+    block's input as it arrives (GPT-2's fp32 residual stream; the raw images)."""
     outputs = shape.output_elements(batch)
+    width = shape.block_output_width(element, autocast)
     edges = [0, *(edge for block in blocks for edge in block), len(outputs)]
     before, recomputing = 0, 0  # held by the ranges so far (at the forward's end); the largest recomputation moment
     for index, (start, stop) in enumerate(zip(edges, edges[1:])):
         if index % 2 == 0:  # the layers between blocks, as one range (a layer may save its predecessor's output)
-            before += shape.stage_activation_bytes(start, stop, batch, element, mask) if stop > start else 0
+            before += shape.stage_activation_bytes(start, stop, batch, element, mask, autocast=autocast) if stop > start else 0
             continue
-        recomputing = max(recomputing, before + shape.stage_activation_bytes(start, stop, batch, element, mask))
-        before += element * outputs[start - 1] if start else shape.batch_views(batch)[0]  # the block's checkpoint
+        recomputing = max(recomputing, before + shape.stage_activation_bytes(start, stop, batch, element, mask,
+                                                                              autocast=autocast))
+        before += width * outputs[start - 1] if start else shape.batch_views(batch)[0]  # the block's checkpoint
     return max(before + views[1], recomputing) + views[0]
 
 
