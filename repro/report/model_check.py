@@ -1,8 +1,8 @@
 """reports/model_check.{md,json}: every finished cell's counted figures against the cost model.
 
-For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes)
-and payload per step (comm/bytes_per_step), busiest rank, against repro.model.costs's figure for the
-cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
+For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes),
+payload per step (comm/bytes_per_step) and one step's FLOPs by phase (flops/*), busiest rank, against
+repro.model.costs's and repro.model.flops's figures for the cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
 framework has no model, or a quantity the model leaves open, says so instead of a verdict. The model's
 figure and error are also logged on the cell's own MLflow run (names.MODEL_CHECK).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from repro import names
-from repro.model import costs
+from repro.model import costs, flops
 from repro.report.collect import Result
 from repro.report.evidence import Prediction, Predictor
 
@@ -24,11 +24,13 @@ def check(result: Result) -> dict[str, Any]:
     """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none."""
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
     try:
-        prediction = costs.predict(costs.cell_of(result.cell.recipe, result.facts))
+        cell = costs.cell_of(result.cell.recipe, result.facts)
+        prediction, step_flops = costs.predict(cell), flops.step_flops(cell)
     except (KeyError, ValueError) as error:
         return {**out, "why": f"not modelled: {error.args[0]}"}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
-    return {**out, "rows": costs.compare(prediction, measured)}
+    measured.update({f"flops_{phase}": count for phase, count in result.flops.items()})
+    return {**out, "rows": costs.compare(prediction, measured, step_flops)}
 
 
 def checks(results: list[Result]) -> list[dict[str, Any]]:
@@ -37,7 +39,7 @@ def checks(results: list[Result]) -> list[dict[str, Any]]:
 
 def markdown(checked: list[dict[str, Any]]) -> str:
     lines = ["# Counted against modelled, per cell (busiest rank)", "",
-             "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costs.BOUNDS.items()) +
+             "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in {**costs.BOUNDS, **costs.FLOP_BOUNDS}.items()) +
              ". The model: repro/model/costs.py; what it says at paper scale: `repro predict`.", "",
              "| cell | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|"]
     for cell in checked:
@@ -99,7 +101,7 @@ def log(uri: str, checked: list[dict[str, Any]]) -> None:
         values = {}
         for row in cell.get("rows", []):
             if row["modelled"] is not None:
-                values[names.MODEL_CHECK.format(row["quantity"], "bytes")] = row["modelled"]
+                values[names.MODEL_CHECK.format(row["quantity"], row["unit"])] = row["modelled"]
             if row["error"] is not None:
                 values[names.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
         if values:
