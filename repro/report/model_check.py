@@ -25,12 +25,12 @@ def check(result: Result) -> dict[str, Any]:
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
     try:
         cell = costs.cell_of(result.cell.recipe, result.facts)
-        prediction, step_flops = costs.predict(cell), flops.step_flops(cell)
+        prediction, counted = costs.predict(cell), flops.process_flops(cell)
     except (KeyError, ValueError) as error:
         return {**out, "why": f"not modelled: {error.args[0]}"}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
     measured.update({f"flops_{phase}": count for phase, count in result.flops.items()})
-    return {**out, "rows": costs.compare(prediction, measured, step_flops)}
+    return {**out, "rows": costs.compare(prediction, measured, counted)}
 
 
 def checks(results: list[Result]) -> list[dict[str, Any]]:
