@@ -9,8 +9,10 @@ registry's SDPA formulas, and files each operation under a phase:
 - backward: run by the autograd engine (a graph task is current) with grad mode off, as the engine runs
   gradient formulas;
 - recompute: run by the engine with grad mode on: activation checkpointing's forward again, which
-  torch.utils.checkpoint, torchgpipe and megatron-core run under enable_grad inside backward; or inside
-  `recomputing()`, which the kit's own checkpoint opens around its recomputation (repro.adapters.recompute);
+  torch.utils.checkpoint and torchgpipe run under enable_grad inside backward; or inside `recomputing()`,
+  which the kit's own checkpoint opens around its recomputation (repro.adapters.recompute), since an
+  autograd Function's forward runs with grad mode off even there (ZeRO-3's linears; megatron-core's
+  too, whose recompute must open it as well);
 - forward: the rest (the optimizer's step is elementwise: none of it counts).
 
 A dispatch mode is thread-local: it sees the ops of the thread that entered it and of the autograd

@@ -15,6 +15,7 @@ from repro.cell import Cell
 pytestmark = pytest.mark.units
 
 MIB = 2**20
+FORWARD_FLOPS = 10**9  # what the fake runs count a step's forward to (not the model's: the check says so)
 # row -> gpus -> (epoch seconds, validation perplexity per epoch, model-state MiB, activation MiB);
 # None: no run recorded
 RECORDED = {
@@ -63,7 +64,8 @@ def record(uri: str, cell: Cell) -> None:
     epoch_s, curve, state_mib, activation_mib = spec
     ranks = [{"rank": r, "peak_bytes": 900 * MIB, "method": "cpu_peak_rss", "parameters": state_mib * MIB,
               "gradients": 0, "optimizer": 0, "activation_peak_bytes": activation_mib * MIB,
-              "comm": {"bytes": {"all_reduce": state_mib * MIB // 2}, "calls": {"all_reduce": 1}} if cell.gpus > 1 else {}}
+              "comm": {"bytes": {"all_reduce": state_mib * MIB // 2}, "calls": {"all_reduce": 1}} if cell.gpus > 1 else {},
+              "flops": {"forward": FORWARD_FLOPS, "backward": 2 * FORWARD_FLOPS + r, "recompute": 0}}  # rank 3 the busiest at 4
              for r in range(cell.gpus)]
     run.log_events([
         {"event": events.EPOCH, "wall": 1.0e9 + epoch, "epoch": epoch, "epoch_s": epoch_s, "elapsed_s": epoch_s * (epoch + 1),
@@ -198,18 +200,26 @@ def test_platform_table_has_the_papers_rows_and_this_machine(report: Path) -> No
 
 
 def test_communication_and_the_cost_model_check_are_reported(report: Path) -> None:
-    from repro.model import costs
+    from repro.model import costs, flops
 
     assert float(rows(report)[("ddp", 4)]["comm_mib_per_step"]) == 4.0 and rows(report)[("ddp", 1)]["comm_mib_per_step"] == ""
     checked = {c["cell"]: c for c in json.loads((report / "model_check.json").read_text())}
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=ddp", "run.gpus=4"])
     modelled = costs.predict(costs.cell_of(recipe))
-    state, activations, comm = checked["gpt2 ddp 4g"]["rows"]
+    state, activations, comm, forward, backward, recompute = checked["gpt2 ddp 4g"]["rows"]
     assert (state["measured"], state["modelled"]) == (8 * MIB, modelled.model_state) and state["within"] is False
     assert (comm["measured"], comm["modelled"]) == (4 * MIB, modelled.comm_bytes)
+    # FLOPs by phase, the busiest rank's (rank 3), against the model's, held exact
+    step = flops.process_flops(costs.cell_of(recipe))
+    assert [(row["quantity"], row["measured"], row["modelled"], row["bound"]) for row in (forward, backward, recompute)] == [
+        ("flops_forward", FORWARD_FLOPS, step.forward, 0.0), ("flops_backward", 2 * FORWARD_FLOPS + 3, step.backward, 0.0),
+        ("flops_recompute", 0, 0, 0.0)]
+    assert forward["within"] is False and recompute["within"] is True
     assert "| gpt2 ddp 4g | model_state | 8,388,608 |" in (report / "model_check.md").read_text()
     run = tracking.client(f"sqlite:///{report.parent}/mlflow.db").get_run(checked["gpt2 ddp 4g"]["run_id"])
     assert run.data.metrics[names.MODEL_CHECK.format("model_state", "bytes")] == modelled.model_state
+    assert run.data.metrics[names.MODEL_CHECK.format("flops_forward", "count")] == step.forward
+    assert run.data.metrics[names.FLOPS.format("total")] == 3 * FORWARD_FLOPS + 3
 
 
 def test_figures_are_written(report: Path) -> None:

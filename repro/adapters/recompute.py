@@ -36,8 +36,9 @@ def apply_recompute(model: nn.Sequential, recipe: Recipe, mode: str, counter: Co
 def checkpoint_blocks(model: nn.Sequential, blocks: list[tuple[int, int]], counter: Counter,
                       flops: FlopCounter | None = None) -> None:
     """Make `model` run each of `blocks` (layer ranges start..stop-1) under torch.utils.checkpoint, the
-    recomputation counted by `counter` (and its FLOPs by `flops`). The forward is replaced on the instance only: the modules, their
-    order and the state dict are the model's own, so DDP's buckets and the checkpoint files are unchanged."""
+    recomputation counted by `counter` (and its FLOPs by `flops`). The forward is replaced on the instance
+    only: the modules, their order and the state dict are the model's own, so DDP's buckets and the
+    checkpoint files are unchanged."""
     stops = dict(blocks)
 
     @contextlib.contextmanager
