@@ -77,11 +77,14 @@ def layer_forward(shape: GPT2Shape | VGG16Shape, batch: int) -> list[int]:
 
 def layer_backward(shape: GPT2Shape | VGG16Shape, batch: int) -> list[int]:
     """Backward FLOPs of each layer at `batch` samples: twice the forward (input and weight gradients);
-    GPT-2's attention five products for two; the model's first layer computes no input gradient."""
+    GPT-2's fused attention kernel five products for two (SDPA's math path, which CPU takes with dropout:
+    `shape.math_attention`, two batched matmuls whose backward is two each); the model's first layer
+    computes no input gradient."""
     forward = layer_forward(shape, batch)
     if isinstance(shape, GPT2Shape):
         attention = 4 * batch * shape.seq_len**2 * shape.d_model
-        return [0, *[2 * (f - attention) + attention * 5 // 2 for f in forward[1:-1]], 2 * forward[-1]]
+        products = 4 if shape.dropout and shape.math_attention else 5  # backward's, for the forward's 2
+        return [0, *[2 * (f - attention) + attention * products // 2 for f in forward[1:-1]], 2 * forward[-1]]
     return [f if index == 0 else 2 * f for index, f in enumerate(forward)]
 
 

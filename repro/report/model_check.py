@@ -2,9 +2,10 @@
 
 For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes),
 payload per step (comm/bytes_per_step) and one step's FLOPs by phase (flops/*), busiest rank, against
-repro.model.costs's and repro.model.flops's figures for the cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
-framework has no model, or a quantity the model leaves open, says so instead of a verdict. The model's
-figure and error are also logged on the cell's own MLflow run (names.MODEL_CHECK).
+the cost model's figures for the cell's recipe, with the relative error and the bound it is held to
+(costs.BOUNDS, costs.FLOP_BOUNDS). A cell whose framework has no model, or a quantity the model leaves
+open, says so instead of a verdict. Each run logged the same check on its own MLflow run when it ended
+(names.MODEL_CHECK: repro.model.check).
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from repro import names
-from repro.model import costs, flops
+from repro.model import check as model_check, costs
 from repro.report.collect import Result
 from repro.report.evidence import Prediction, Predictor
 
@@ -23,35 +23,69 @@ QUANTITY_METRIC = {"model_state": "model_state_bytes", "activations": "activatio
 def check(result: Result) -> dict[str, Any]:
     """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none."""
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
-    try:
-        cell = costs.cell_of(result.cell.recipe, result.facts)
-        prediction, counted = costs.predict(cell), flops.process_flops(cell)
-    except (KeyError, ValueError) as error:
-        return {**out, "why": f"not modelled: {error.args[0]}"}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
     measured.update({f"flops_{phase}": count for phase, count in result.flops.items()})
-    return {**out, "rows": costs.compare(prediction, measured, counted)}
+    return {**out, **model_check.check(result.cell.recipe, result.facts, measured)}
 
 
 def checks(results: list[Result]) -> list[dict[str, Any]]:
     return [check(r) for r in results if r.ok and r.cell.recipe]
 
 
-def markdown(checked: list[dict[str, Any]]) -> str:
+def setting_checks(results: list[Result]) -> list[dict[str, Any]]:
+    """The runs with memory settings (repro.parity.setting_cells), each with its settings named: its check,
+    or why there is none (no finished run, a framework not installed here)."""
+    checked = []
+    for result in results:
+        named = {"settings": settings_named(result) if result.cell.recipe else ""}
+        if result.ok:
+            checked.append({**check(result), **named})
+            continue
+        why = result.error if result.status == "skipped" else f"no finished run ({result.status}) {result.error}".strip()
+        checked.append({"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id, **named, "why": why})
+    return checked
+
+
+def settings_named(result: Result) -> str:
+    """'recompute full of 1 blocks, 2 micro-batches of 2': the memory settings a run trained with (its
+    `effective.*`: the framework's own names, torchgpipe's checkpoint mode say; the recipe's sizes)."""
+    train, settings = result.cell.recipe.train, result.settings
+    layers = f" of {train.recompute_layers} blocks" if train.recompute_layers else ""
+    micro = f" of {train.micro_batch}" if train.micro_batch else ""
+    count = settings.get("micro_batches", "1")
+    return f"recompute {settings.get('recompute', 'none')}{layers}, {count} micro-batch{'' if count == '1' else 'es'}{micro}"
+
+
+def markdown(checked: list[dict[str, Any]], with_settings: list[dict[str, Any]] = ()) -> str:
     lines = ["# Counted against modelled, per cell (busiest rank)", "",
              "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in {**costs.BOUNDS, **costs.FLOP_BOUNDS}.items()) +
              ". The model: repro/model/costs.py; what it says at paper scale: `repro predict`.", "",
              "| cell | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|"]
+    lines += table_lines(checked)
+    if with_settings:
+        lines += ["", "## Runs with memory settings: recompute and micro-batches", "",
+                  "The parity section's configurations that recompute or accumulate gradients over micro-batches "
+                  "(repro/parity.py: `MEMORY_SETTINGS`; 4 steps at global batch 8 on each workload's reduced model), "
+                  "their counted runs against the model for their recipes, held to the same bounds.", "",
+                  "| run | settings | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|---|"]
+        lines += table_lines(with_settings)
+    return "\n".join(lines) + "\n"
+
+
+def table_lines(checked: list[dict[str, Any]]) -> list[str]:
+    """One line per checked quantity (or one saying why a cell has no check); a settings column where named."""
+    lines = []
     for cell in checked:
+        label = cell["cell"] + (f" | {cell['settings']}" if "settings" in cell else "")
         if "why" in cell:
-            lines.append(f"| {cell['cell']} | | | | | {cell['why']} |")
+            lines.append(f"| {label} | | | | | {cell['why']} |")
             continue
         for row in cell["rows"]:
             verdict = {True: "yes", False: "**no**", None: "not counted" if row["measured"] is None else "not modelled"}
             error = "" if row["error"] is None else f"{row['error']:.2%}"
-            lines.append(f"| {cell['cell']} | {row['quantity']} | {fmt(row['measured'])} | {fmt(row['modelled'])} | "
+            lines.append(f"| {label} | {row['quantity']} | {fmt(row['measured'])} | {fmt(row['modelled'])} | "
                          f"{error} | {verdict[row['within']]} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def paper_predictor(checked: list[dict[str, Any]]) -> Predictor:
@@ -85,24 +119,8 @@ def fmt(value: float | None) -> str:
     return "" if value is None else f"{int(value):,}"
 
 
-def write(folder: Path, checked: list[dict[str, Any]], uri: str | None = None) -> list[Path]:
-    """Write the report of `checks` and, with `uri`, log each cell's modelled figures and errors on its run."""
-    (folder / "model_check.md").write_text(markdown(checked))
-    (folder / "model_check.json").write_text(json.dumps(checked, indent=2))
-    if uri:
-        log(uri, checked)
+def write(folder: Path, checked: list[dict[str, Any]], with_settings: list[dict[str, Any]] = ()) -> list[Path]:
+    """The report of the matrix's cells and of the runs with memory settings (those carry "settings")."""
+    (folder / "model_check.md").write_text(markdown(checked, with_settings))
+    (folder / "model_check.json").write_text(json.dumps([*checked, *with_settings], indent=2))
     return [folder / "model_check.md", folder / "model_check.json"]
-
-
-def log(uri: str, checked: list[dict[str, Any]]) -> None:
-    from repro import tracking
-
-    for cell in checked:
-        values = {}
-        for row in cell.get("rows", []):
-            if row["modelled"] is not None:
-                values[names.MODEL_CHECK.format(row["quantity"], row["unit"])] = row["modelled"]
-            if row["error"] is not None:
-                values[names.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
-        if values:
-            tracking.Run.connect(uri, cell["run_id"]).log_values(values)
