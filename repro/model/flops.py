@@ -109,11 +109,12 @@ def early_stopped(cell: Cell, batch: int) -> int:
     stops once the last tensor the block saved for backward is back (torch/utils/checkpoint.py, early
     stop, on by default), and a matrix product saves its inputs before it runs (autograd's generated
     VariableType kernels), so a block ending in one skips it: GPT-2's MLP output projection (2 N 4d d).
-    Not under ZeRO-3, whose linears are an autograd Function that saves its inputs after the product
-    (deepspeed/runtime/zero/linear.py: LinearFunctionForZeroStage3.setup_context). A VGG-16 block ends
-    in a max-pool, which saves the indices it outputs: it runs (no matmul after it)."""
+    Not with dropout, whose mask after that projection is the last tensor saved; nor under ZeRO-3, whose
+    linears are an autograd Function that saves its inputs after the product (deepspeed/runtime/zero/
+    linear.py: LinearFunctionForZeroStage3.setup_context). A VGG-16 block ends in a max-pool, which saves
+    the indices it outputs: it runs (no matmul after it)."""
     zero3 = cell.framework == "zero" and cell.option("stage", 2) == 3
-    if zero3 or not isinstance(cell.shape, GPT2Shape):
+    if zero3 or not isinstance(cell.shape, GPT2Shape) or cell.shape.dropout:
         return 0
     return 8 * batch * cell.shape.seq_len * cell.shape.d_model**2
 
