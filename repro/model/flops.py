@@ -131,6 +131,8 @@ def megatron(cell: Cell) -> StepFlops:
     """A tp rank of Megatron: the tp group's batch_per_gpu x tp sequences through its shard of every
     matmul (docstring above); attention's backward two products per forward product."""
     shape, tp = cell.shape, cell.option("tp", 1)
+    if not isinstance(shape, GPT2Shape):
+        raise KeyError("megatron applies to gpt2 only")
     b = cell.batch_per_gpu * tp
     n, d, s = b * shape.seq_len, shape.d_model, shape.seq_len
     linears, attention = 24 * n * d * d // tp, 4 * b * s * s * d // tp
