@@ -199,12 +199,8 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
       repro predict --model gpt2 --fit V100-16GB
     """
     from repro.hardware import paper_gpu_memory
-<<<<<<< HEAD
     from repro.model.flops import step_flops
-    from repro.model.predict import matrix_predictions, memory_minimum, paper_fit
-=======
     from repro.model.predict import matrix_predictions, memory_minimum, paper_devices, paper_fit
->>>>>>> main
 
     if fit_device:
         known = fit_device in GPU_MEMORY_GIB
