@@ -10,19 +10,21 @@ from __future__ import annotations
 from typing import Any
 
 from repro import names
-from repro.model import costs
+from repro.model import costs, flops
 
-QUANTITY_NAMES = {"model_state": "model state", "activations": "activations", "comm": "communication"}
+QUANTITY_NAMES = {"model_state": "model state", "activations": "activations", "comm": "communication",
+                  "flops_forward": "forward FLOPs", "flops_backward": "backward FLOPs", "flops_recompute": "recompute FLOPs"}
 
 
 def check(recipe: Any, facts: dict[str, Any] | None, measured: dict[str, Any]) -> dict[str, Any]:
-    """`recipe`'s modelled figures against `measured` (quantity -> counted bytes, None: not counted);
-    `facts`: the adapter's setup decisions (costs.cell_of)."""
+    """`recipe`'s modelled figures against `measured` (quantity -> counted bytes or FLOPs, None: not
+    counted); `facts`: the adapter's setup decisions (costs.cell_of)."""
     try:
-        prediction = costs.predict(costs.cell_of(recipe, facts))
+        cell = costs.cell_of(recipe, facts)
+        prediction, counted = costs.predict(cell), flops.process_flops(cell)
     except (KeyError, ValueError) as error:
         return {"why": f"not modelled: {error.args[0]}"}
-    return {"rows": costs.compare(prediction, measured)}
+    return {"rows": costs.compare(prediction, measured, counted)}
 
 
 def of_events(recipe: Any, start: dict[str, Any] | None, epoch: dict[str, Any] | None) -> dict[str, Any]:
@@ -35,11 +37,12 @@ def of_events(recipe: Any, start: dict[str, Any] | None, epoch: dict[str, Any] |
 
 
 def metrics(checked: dict[str, Any]) -> dict[str, float]:
-    """The check as MLflow metrics: each quantity's modelled bytes and relative error, where there is one."""
+    """The check as MLflow metrics: each quantity's modelled bytes (FLOPs: count) and relative error, where
+    there is one."""
     values = {}
     for row in checked.get("rows", []):
         if row["modelled"] is not None:
-            values[names.MODEL_CHECK.format(row["quantity"], "bytes")] = row["modelled"]
+            values[names.MODEL_CHECK.format(row["quantity"], row["unit"])] = row["modelled"]
         if row["error"] is not None:
             values[names.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
     return values

@@ -1,10 +1,11 @@
 """reports/model_check.{md,json}: every finished cell's counted figures against the cost model.
 
-For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes)
-and payload per step (comm/bytes_per_step), busiest rank, against repro.model.costs's figure for the
-cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
-framework has no model, or a quantity the model leaves open, says so instead of a verdict. Each run
-logged the same check on its own MLflow run when it ended (names.MODEL_CHECK: repro.model.check).
+For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes),
+payload per step (comm/bytes_per_step) and one step's FLOPs by phase (flops/*), busiest rank, against
+the cost model's figures for the cell's recipe, with the relative error and the bound it is held to
+(costs.BOUNDS, costs.FLOP_BOUNDS). A cell whose framework has no model, or a quantity the model leaves
+open, says so instead of a verdict. Each run logged the same check on its own MLflow run when it ended
+(names.MODEL_CHECK: repro.model.check).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def check(result: Result) -> dict[str, Any]:
     """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none."""
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
+    measured.update({f"flops_{phase}": count for phase, count in result.flops.items()})
     return {**out, **model_check.check(result.cell.recipe, result.facts, measured)}
 
 
@@ -56,7 +58,7 @@ def settings_named(result: Result) -> str:
 
 def markdown(checked: list[dict[str, Any]], with_settings: list[dict[str, Any]] = ()) -> str:
     lines = ["# Counted against modelled, per cell (busiest rank)", "",
-             "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costs.BOUNDS.items()) +
+             "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in {**costs.BOUNDS, **costs.FLOP_BOUNDS}.items()) +
              ". The model: repro/model/costs.py; what it says at paper scale: `repro predict`.", "",
              "| cell | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|"]
     lines += table_lines(checked)
