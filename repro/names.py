@@ -65,4 +65,6 @@ ACTIVATION_PEAK = "memory/activation_peak_bytes"  # tensors saved for backward (
 ESTIMATED_PEAK = "memory/estimated_peak_bytes"  # model state + activation peak: a GPU's peak, estimated on CPU
 COMM_BYTES = "comm/bytes_per_step"  # payload a rank hands to its process groups in one step (repro.communication), busiest rank
 MODEL_CHECK = "model/{}_{}"  # {quantity}_{bytes|error}: the cost model's figure for a run, and its relative error
+STEP_TIME_PREDICTED = "model/step_time_predicted"  # the step-time model's seconds a step on this machine's profile
+STEP_TIME_ERROR = "model/step_time_error"  # its relative error against the framework's measured median step
 COMM_KIND_BYTES = "comm/{}_bytes_per_step"  # {} is an operation kind (all_reduce, send, boundary:activation, ...)

@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from repro import names
 from repro.hardware import PAPER_PLATFORMS, cpu_cores, this_platform
@@ -29,10 +29,11 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     paths = tables.write_all(folder, "table2_platforms", [*PAPER_PLATFORMS, this_platform(nodes)], tables.PLATFORM_COLUMNS)
     paths += tables.write_all(folder, "results", tables.result_rows(results), tables.RESULT_COLUMNS)
     paths += figures.all_figures(results, folder)
-    checked = model_check.checks(results)
+    cores = cores or cpu_cores()
+    checked = model_check.checks(results, machine_profile(uri, measure=final), cores)
     paths += model_check.write(folder, checked, uri)
     predict = predict or model_check.paper_predictor(checked)
-    (parity, partings), cores = read_parity(folder), cores or cpu_cores()
+    parity, partings = read_parity(folder)
     verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict, partings=partings)
     answered = answers.answer(evidence.Results(results, cores, parity, predict, partings))
     (folder / "findings.md").write_text(answers.markdown(answered) + "\n" + findings.markdown(verdicts))
@@ -43,6 +44,17 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     if final:
         log_report_run(uri, experiment, scale, paths, results)
     return paths
+
+
+def machine_profile(uri: str, measure: bool) -> Any:
+    """This machine's calibrated profile kept beside the MLflow store (repro.calibrate), measured now where
+    none is kept and `measure` (the final reports: not while cells train beside the measurement)."""
+    from repro import calibrate
+
+    folder = calibrate.store_folder(uri)
+    if measure or calibrate.profile_path(folder).is_file():
+        return calibrate.calibrated(folder)
+    return None
 
 
 class EarlyReports:

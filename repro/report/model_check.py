@@ -5,34 +5,66 @@ and payload per step (comm/bytes_per_step), busiest rank, against repro.model.co
 cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
 framework has no model, or a quantity the model leaves open, says so instead of a verdict. The model's
 figure and error are also logged on the cell's own MLflow run (names.MODEL_CHECK).
+
+Step time: each CPU cell of no more processes than the machine has cores, the framework's measured
+median step against repro.model.time's on this machine's calibrated profile (repro.calibrate), held to
+time.BOUND a cell and time.MEDIAN_BOUND over the cells' median; logged as names.STEP_TIME_PREDICTED
+and names.STEP_TIME_ERROR.
 """
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
-from repro import names
-from repro.model import costs
+from repro import names, registry
+from repro.model import costs, time
+from repro.model.platforms import Platform
 from repro.report.collect import Result
 from repro.report.evidence import Prediction, Predictor
 
 QUANTITY_METRIC = {"model_state": "model_state_bytes", "activations": "activation_bytes", "comm": "comm_bytes"}
 
 
-def check(result: Result) -> dict[str, Any]:
-    """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none."""
+def check(result: Result, platform: Platform | None = None, cores: int = 0) -> dict[str, Any]:
+    """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none; with this
+    machine's `platform`, a step-time row for a cell of at most `cores` processes (`step_time_row`)."""
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
     try:
-        prediction = costs.predict(costs.cell_of(result.cell.recipe, result.facts))
+        cell = costs.cell_of(result.cell.recipe, result.facts)
+        prediction = costs.predict(cell)
     except (KeyError, ValueError) as error:
         return {**out, "why": f"not modelled: {error.args[0]}"}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
-    return {**out, "rows": costs.compare(prediction, measured)}
+    rows = costs.compare(prediction, measured)
+    processes = registry.plan_class(cell.framework).processes(result.cell.recipe)
+    if platform is not None and processes <= cores and cell.device == "cpu":
+        rows.append(step_time_row(result.framework_step_time(), time.step_time(cell, platform).total_s))
+    return {**out, "rows": rows}
 
 
-def checks(results: list[Result]) -> list[dict[str, Any]]:
-    return [check(r) for r in results if r.ok and r.cell.recipe]
+def step_time_row(measured: float | None, modelled: float) -> dict[str, Any]:
+    """A row like costs.compare's for the step time: the framework's measured median step (seconds, the
+    loop's time between steps left out: Result.framework_step_time) against the model's on this machine."""
+    error = None if not measured else abs(measured - modelled) / measured
+    return {"quantity": "step_time", "measured": measured, "modelled": modelled, "error": error, "bound": time.BOUND,
+            "within": None if error is None else error <= time.BOUND}
+
+
+def checks(results: list[Result], platform: Platform | None = None, cores: int = 0) -> list[dict[str, Any]]:
+    return [check(r, platform, cores) for r in results if r.ok and r.cell.recipe]
+
+
+def step_time_errors(checked: list[dict[str, Any]]) -> list[float]:
+    return [row["error"] for cell in checked for row in cell.get("rows", [])
+            if row["quantity"] == "step_time" and row["error"] is not None]
+
+
+def median_step_time_error(checked: list[dict[str, Any]]) -> float | None:
+    """The median of the step-time rows' errors: the model's checked error that timing predictions quote."""
+    errors = step_time_errors(checked)
+    return statistics.median(errors) if errors else None
 
 
 def markdown(checked: list[dict[str, Any]]) -> str:
@@ -40,6 +72,14 @@ def markdown(checked: list[dict[str, Any]]) -> str:
              "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costs.BOUNDS.items()) +
              ". The model: repro/model/costs.py; what it says at paper scale: `repro predict`.", "",
              "| cell | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|"]
+    median = median_step_time_error(checked)
+    if median is not None:
+        lines[2:2] = [f"Step time (seconds; cells of no more processes than cores, on this machine's calibrated profile, "
+                      f"the measured median less the loop's own time between steps): each within {time.BOUND:.0%}, "
+                      f"their median error at most {time.MEDIAN_BOUND:.0%}; median error "
+                      f"{median:.1%} over {len(step_time_errors(checked))} cells: "
+                      f"{'holds' if median <= time.MEDIAN_BOUND else '**does not hold**'}. The model: repro/model/time.py, "
+                      "docs/time.md; at paper scale: `repro predict --platform lassen|thetagpu`.", ""]
     for cell in checked:
         if "why" in cell:
             lines.append(f"| {cell['cell']} | | | | | {cell['why']} |")
@@ -80,7 +120,10 @@ def checked_errors(checked: list[dict[str, Any]], row: str) -> tuple[dict[str, f
 
 
 def fmt(value: float | None) -> str:
-    return "" if value is None else f"{int(value):,}"
+    """Bytes as integers; seconds (below 1000) to 4 significant digits."""
+    if value is None:
+        return ""
+    return f"{value:.4g}" if isinstance(value, float) and value < 1000 and value != int(value) else f"{int(value):,}"
 
 
 def write(folder: Path, checked: list[dict[str, Any]], uri: str | None = None) -> list[Path]:
@@ -98,6 +141,11 @@ def log(uri: str, checked: list[dict[str, Any]]) -> None:
     for cell in checked:
         values = {}
         for row in cell.get("rows", []):
+            if row["quantity"] == "step_time":
+                values[names.STEP_TIME_PREDICTED] = row["modelled"]
+                if row["error"] is not None:
+                    values[names.STEP_TIME_ERROR] = row["error"]
+                continue
             if row["modelled"] is not None:
                 values[names.MODEL_CHECK.format(row["quantity"], "bytes")] = row["modelled"]
             if row["error"] is not None:
