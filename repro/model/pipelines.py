@@ -150,11 +150,9 @@ def torch_pipeline(cell: Cell) -> Prediction:
     the busiest rank's (a middle rank, which holds no tied weight, where its cuts outweigh it). Activations:
     the busiest rank's peak over its stages' micro-batches in flight (`schedule_actions`, `peak_held`),
     micro-batches of the global batch cut into `microbatches`."""
-    schedule = cell.option("schedule", "1f1b")
-    per_rank = cell.option("stages_per_rank", None) or (2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1)
+    schedule, per_rank = cell.option("schedule", "1f1b"), stages_per_rank(cell)
     count, ranks = cell.gpus * per_rank, cell.gpus
-    weights = [sum(layer) for layer in cell.shape.layer_tensors()]
-    sizes = cell.option("balance", None) or balance(weights, count, cell.shape.stage_starts())
+    sizes = stage_sizes(cell, count)
     elements, tensors = max(rank_shares(cell, sizes, ranks))
     comm: dict[str, int] = {}
     if ranks > 1:
@@ -166,6 +164,19 @@ def torch_pipeline(cell: Cell) -> Prediction:
     held = max(peak_held(schedule_actions(schedule, rank, ranks, per_rank, micro), per_micro, once, tails)
                for rank in range(ranks))
     return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), held, comm)
+
+
+def stages_per_rank(cell: Cell) -> int:
+    """Stages a rank of torch's schedules holds: the interleaved schedules two, unless the recipe says."""
+    looped = cell.option("schedule", "1f1b") in ("interleaved-1f1b", "zero-bubble")
+    return cell.option("stages_per_rank", None) or (2 if looped else 1)
+
+
+def stage_sizes(cell: Cell, count: int) -> list[int]:
+    """Layers of each of `count` stages of torch's schedules and PipeDream: the recipe's balance, or
+    contiguous layers balanced by parameter count (repro.partition.balance)."""
+    weights = [sum(layer) for layer in cell.shape.layer_tensors()]
+    return cell.option("balance", None) or balance(weights, count, cell.shape.stage_starts())
 
 
 def pipeline_rank_comm(cell: Cell, crossing: list[int], rank: int, ranks: int, count: int) -> dict[str, int]:
@@ -277,8 +288,7 @@ def pipedream(cell: Cell) -> Prediction:
     (batch_per_gpu); per step a stage receives one activation, preceded by a header of HEADER int64,
     and sends one on, and passes one gradient back; stage clipping is local, so nothing else is sent."""
     stages = cell.gpus
-    weights = [sum(layer) for layer in cell.shape.layer_tensors()]
-    sizes = cell.option("balance", None) or balance(weights, stages, cell.shape.stage_starts())
+    sizes = stage_sizes(cell, stages)
     # weight stashing: stage s holds its live weights and S - s versions (one per forward in flight; the
     # newest, for the next forward, among them: repro.adapters.pipedream.stashed_bytes)
     states = [(FP32 * (1 + stages - stage) * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors))

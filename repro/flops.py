@@ -1,0 +1,76 @@
+"""FLOPs: the floating-point operations of one training step on this rank, by phase.
+
+torch's FlopCounterMode (torch/utils/flop_counter.py) counts matrix products, convolutions and
+scaled-dot-product attention by their shapes (`flop_registry`: mm, addmm, bmm, baddbmm 2 m n k;
+convolution and convolution_backward; the CUDA SDPA kernels and their backwards) and nothing
+elementwise. This counter is a dispatch mode that applies the same formulas (the registry itself), plus
+CPU's SDPA kernel (`_scaled_dot_product_flash_attention_for_cpu`, which the registry lacks) with the
+registry's SDPA formulas, and files each operation under a phase:
+- backward: run by the autograd engine (a graph task is current) with grad mode off, as the engine runs
+  gradient formulas;
+- recompute: run by the engine with grad mode on: activation checkpointing's forward again, which
+  torch.utils.checkpoint, torchgpipe and megatron-core run under enable_grad inside backward;
+- forward: the rest (the optimizer's step is elementwise: none of it counts).
+
+A dispatch mode is thread-local: it sees the ops of the thread that entered it and of the autograd
+engine's threads, which inherit the caller's thread-local state. The loop counts one warm-up step
+(`Trainer.counters`), which the step times leave out.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+
+PHASES = ("forward", "backward", "recompute")
+aten = torch.ops.aten
+
+
+@shape_wrapper
+def cpu_sdpa(query: torch.Size, key: torch.Size, value: torch.Size, *args: Any, **kwargs: Any) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+@shape_wrapper
+def cpu_sdpa_backward(grad_out: torch.Size, query: torch.Size, key: torch.Size, value: torch.Size, *args: Any,
+                      **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# the CPU kernels' arguments lead with the same tensors as the CUDA ones' (aten's native_functions.yaml)
+CPU_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: cpu_sdpa_backward}
+
+
+class FlopCounter(TorchDispatchMode):
+    """Counts one step's FLOPs by phase, while `counting()` is open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = dict.fromkeys(PHASES, 0)
+        self.counted = False
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self.counts = dict.fromkeys(PHASES, 0)
+        with self:
+            yield
+        self.counted = True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        formula = CPU_FORMULAS.get(packet) or flop_registry.get(packet)
+        if formula is not None:
+            in_engine = torch._C._current_graph_task_id() != -1
+            phase = ("recompute" if torch.is_grad_enabled() else "backward") if in_engine else "forward"
+            self.counts[phase] += formula(*args, **kwargs, out_val=out)  # the registry's calling convention
+        return out
+
+    def per_step(self) -> dict[str, int] | None:
+        """FLOPs by phase of the counted step; None before one is counted."""
+        return dict(self.counts) if self.counted else None

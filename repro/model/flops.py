@@ -1,0 +1,188 @@
+"""Floating-point operations of one training step on the busiest GPU, in closed form from the recipe
+(docs/time.md, "FLOPs"). No torch.
+
+What is counted is what torch's FlopCounterMode counts (torch/utils/flop_counter.py: `flop_registry`):
+matrix multiplies (mm, addmm, bmm, baddbmm: 2 m n k), convolutions (2 x output positions x kernel x
+Cin x Cout; bias left out) and scaled-dot-product attention (its two batched products, the full s x s
+square even where causal; backward five). The run's counter (repro.flops) counts the same formulas on
+the real step, so forward, backward and recompute are held exact against it (costs.compare). The
+optimizer's elementwise work is not a matrix product: it is modelled here (OPTIMIZER_FLOPS) and not
+counted.
+
+Per layer (the shapes' layers, repro.shapes):
+- GPT-2, N = b s tokens, width d: a block's four linears 24 N d^2, attention 4 b s^2 d; the head
+  2 N d V. Backward: every linear twice (input and weight gradients), attention's backward five
+  products where its forward has two (torch's `sdpa_backward_flop_count`: it recomputes the scores).
+- VGG-16: a convolution 2 x B x (its weight's elements) x (output positions), a linear 2 x B x (its
+  weight's elements). Backward twice, but the first convolution's input (the images) needs no gradient.
+- Megatron (tp ranks, local layer spec): the block's linears and the heads split over tp; attention as
+  baddbmm and bmm, whose backward is two products each; the head over the tp-padded vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from repro.model.costs import dim0_sharded, megatron_elements, zero_partition
+from repro.model.pipelines import CHECKPOINTED, rank_shares, stage_sizes, stages_per_rank
+from repro.model.terms import Cell, even_balance, split
+from repro.shapes import GPT2Shape, VGG16Shape, flat_sharded, parameters
+
+# elementwise FLOPs an optimizer spends per parameter element in one step (docs/time.md, "FLOPs"), from
+# torch/optim/adam.py, sgd.py (_single_tensor_*) and timm/optim/lamb.py (_single_tensor_lamb), counting
+# an add, multiply, divide or square root 1, an add with alpha, a norm's square-and-sum 2, lerp, addcmul
+# and addcdiv 3: (without weight decay, what weight decay adds)
+OPTIMIZER_FLOPS = {
+    # lerp_ 3, exp_avg_sq mul_ + addcmul_ 4, sqrt / + eps 3, addcdiv_ 3; L2 decay grad.add(p, alpha) 2
+    "adam": (13, 2),
+    # the same, decoupled decay p.mul_(1 - lr wd) 1
+    "adamw": (13, 1),
+    # the global clip norm 2, grad / clip 1, lerp_ 3, exp_avg_sq 4, denom 3, update 2; decay: update.add_
+    # 2, the two trust-ratio norms 4, update.mul_ 1
+    "lamb": (17, 7),
+    # with momentum: buf.mul_ + add_ 2, p.add_(buf, alpha) 2 (plain SGD: the last 2 only); decay 2
+    "sgd": (4, 2),
+}
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Floating-point operations of the busiest rank in one training step."""
+
+    forward: int  # matmul/conv/attention FLOPs of the forward pass(es) of all micro-batches
+    backward: int  # their backward (about 2x forward)
+    recompute: int  # forward work redone in backward by activation recompute
+    optimizer: int  # the optimizer step's elementwise FLOPs on the rank's (sharded) parameters
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward + self.recompute + self.optimizer
+
+    @property
+    def counted(self) -> int:
+        """What the run's counter sees: all but the optimizer's elementwise work."""
+        return self.forward + self.backward + self.recompute
+
+
+def layer_forward(shape: GPT2Shape | VGG16Shape, batch: int) -> list[int]:
+    """Forward FLOPs of each layer (shapes' layer order) at `batch` samples."""
+    if isinstance(shape, GPT2Shape):
+        n, d, s = batch * shape.seq_len, shape.d_model, shape.seq_len
+        return [0, *[24 * n * d * d + 4 * batch * s * s * d] * shape.n_layer, 2 * n * d * shape.vocab]
+    flops = []
+    for kind, tensors, out in shape.layers():
+        rows, row = tensors[0] if tensors else (1, 0)  # the weight: (output channels, inputs per output)
+        flops.append(2 * batch * rows * row * (out // rows) if kind in ("conv", "linear") else 0)
+    return flops
+
+
+def layer_backward(shape: GPT2Shape | VGG16Shape, batch: int) -> list[int]:
+    """Backward FLOPs of each layer at `batch` samples: twice the forward (input and weight gradients);
+    GPT-2's attention five products for two; the model's first layer computes no input gradient."""
+    forward = layer_forward(shape, batch)
+    if isinstance(shape, GPT2Shape):
+        attention = 4 * batch * shape.seq_len**2 * shape.d_model
+        return [0, *[2 * (f - attention) + attention * 5 // 2 for f in forward[1:-1]], 2 * forward[-1]]
+    return [f if index == 0 else 2 * f for index, f in enumerate(forward)]
+
+
+def optimizer_flops(cell: Cell, elements: int) -> int:
+    """The optimizer step's elementwise FLOPs over `elements` parameter elements (OPTIMIZER_FLOPS)."""
+    plain, decay = OPTIMIZER_FLOPS[cell.optimizer]
+    if cell.optimizer == "sgd" and not cell.option("momentum", 0.9):
+        plain = 2
+    return elements * (plain + (decay if cell.option("weight_decay", 0.0) else 0))
+
+
+def recomputed_forward(cell: Cell, forward: list[int]) -> int:
+    """Forward FLOPs of the blocks under full recompute (Cell.recomputed), done again in backward."""
+    return sum(sum(forward[start:stop]) for start, stop in cell.shape.blocks()[: cell.recomputed])
+
+
+def data_parallel(cell: Cell, elements: int) -> StepFlops:
+    """DDP, ZeRO, FSDP: the whole model on batch_per_gpu samples a rank (micro-batches add up to it);
+    the optimizer over the rank's `elements`."""
+    forward = layer_forward(cell.shape, cell.batch_per_gpu)
+    return StepFlops(sum(forward), sum(layer_backward(cell.shape, cell.batch_per_gpu)),
+                     recomputed_forward(cell, forward), optimizer_flops(cell, elements))
+
+
+def megatron(cell: Cell) -> StepFlops:
+    """A tp rank of Megatron: the tp group's batch_per_gpu x tp sequences through its shard of every
+    matmul (docstring above); attention's backward two products per forward product."""
+    shape, tp = cell.shape, cell.option("tp", 1)
+    b = cell.batch_per_gpu * tp
+    n, d, s = b * shape.seq_len, shape.d_model, shape.seq_len
+    linears, attention = 24 * n * d * d // tp, 4 * b * s * s * d // tp
+    head = 2 * n * d * (-(-shape.vocab // tp))
+    forward = shape.n_layer * (linears + attention) + head
+    recompute = cell.recomputed * (linears + attention)
+    return StepFlops(forward, 2 * forward, recompute, optimizer_flops(cell, megatron_elements(shape, tp)))
+
+
+def stage_flops(cell: Cell, sizes: list[int], batch: int, recomputed: int = 0) -> list[tuple[int, int, int]]:
+    """(forward, backward, recompute) of each stage of `sizes` layers at `batch` samples a step, where
+    `recomputed` of those samples' forwards are done again in backward."""
+    forward, backward = layer_forward(cell.shape, 1), layer_backward(cell.shape, 1)
+    out = []
+    for part_forward, part_backward in zip(split(forward, sizes), split(backward, sizes)):
+        out.append((batch * sum(part_forward), batch * sum(part_backward), recomputed * sum(part_forward)))
+    return out
+
+
+def pipeline(cell: Cell, stages: list[tuple[int, int, int]], elements: list[int]) -> StepFlops:
+    """The busiest rank's FLOPs where stage s runs on rank s % ranks, rank r holding `elements[r]`."""
+    ranks = len(elements)
+    per_rank = [StepFlops(*(sum(stage[i] for stage in stages[rank::ranks]) for i in range(3)),
+                          optimizer_flops(cell, elements[rank])) for rank in range(ranks)]
+    return max(per_rank, key=lambda flops: flops.counted)
+
+
+def torchgpipe(cell: Cell) -> StepFlops:
+    """torchgpipe: each partition (stand-in GPU) runs chunks_per_gpu x k micro-batches of batch_per_gpu
+    samples and recomputes the checkpointed ones (CHECKPOINTED) in backward; the busiest partition."""
+    k, layers = cell.gpus, len(cell.shape.layer_tensors())
+    sizes = cell.option("balance", None) or even_balance(layers, k)
+    chunks = cell.option("chunks_per_gpu", 4) * k
+    recomputed = CHECKPOINTED[cell.option("checkpoint", "except_last")](chunks) * cell.batch_per_gpu
+    stages = stage_flops(cell, sizes, chunks * cell.batch_per_gpu, recomputed)
+    # the adapter unties the head's weight: the last partition holds a copy (costs' torchgpipe)
+    elements = [sum(map(sum, part)) for part in split(cell.shape.layer_tensors(), sizes)]
+    elements[-1] += cell.shape.tied_elements()
+    return max((pipeline(cell, [stage], [held]) for stage, held in zip(stages, elements)), key=lambda f: f.counted)
+
+
+def torch_pipeline(cell: Cell) -> StepFlops:
+    """torch's schedules: the global batch (batch_per_gpu x GPUs) through every stage, stage s on rank s % GPUs."""
+    count = cell.gpus * stages_per_rank(cell)
+    sizes = stage_sizes(cell, count)
+    stages = stage_flops(cell, sizes, cell.batch_per_gpu * cell.gpus)
+    return pipeline(cell, stages, [elements for elements, _ in rank_shares(cell, sizes, cell.gpus)])
+
+
+def pipedream(cell: Cell) -> StepFlops:
+    """PipeDream: in its steady state a stage runs one mini-batch's forward and one's backward a step."""
+    sizes = stage_sizes(cell, cell.gpus)
+    stages = stage_flops(cell, sizes, cell.batch_per_gpu)
+    return pipeline(cell, stages, [elements for elements, _ in rank_shares(cell, sizes, cell.gpus)])
+
+
+def step_flops(cell: Cell) -> StepFlops:
+    """The FLOPs of one training step on `cell`'s busiest GPU."""
+    framework = cell.framework
+    if framework == "ddp":
+        return data_parallel(cell, parameters(cell.shape))
+    if framework == "zero" and cell.option("stage", 2) == 3:
+        return data_parallel(cell, flat_sharded(cell.shape, cell.gpus))
+    if framework == "zero":
+        return data_parallel(cell, zero_partition(parameters(cell.shape), cell.gpus))
+    if framework == "fsdp":
+        replicas = cell.option("replicas", 2) if cell.option("sharding", "full") == "hybrid" else 1
+        return data_parallel(cell, dim0_sharded(cell.shape, cell.gpus // replicas))
+    if framework == "megatron":
+        return megatron(cell)
+    if framework in PIPELINES:
+        return PIPELINES[framework](cell)
+    raise KeyError(f"no FLOP model for {framework!r}")
+
+
+PIPELINES = {"torchgpipe": torchgpipe, "torch-pipeline": torch_pipeline, "pipedream": pipedream}
