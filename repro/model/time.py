@@ -18,7 +18,6 @@ from repro.model import costs, pipelines
 from repro.model.flops import StepFlops, step_flops
 from repro.model.platforms import Platform
 from repro.model.terms import Cell, even_balance
-from repro.partition import balance
 from repro.shapes import GPT2Shape, parameters, tensor_count
 
 # Operations a layer dispatches (aten ops, counted with TorchDispatchMode: bench/count_ops.py, which
@@ -51,7 +50,7 @@ class StepTime:
         return self.compute_s + self.exposed_s + self.bubble_s
 
 
-def layer_ops(shape: object, layers: range) -> tuple[float, float, int]:
+def layer_ops(shape: object, layers: list[int] | range) -> tuple[float, float, int]:
     """(forward ops, backward ops, matrix multiplies) the layers `layers` dispatch per pass."""
     if isinstance(shape, GPT2Shape):
         kinds = ["embedding" if i == 0 else "head" if i == shape.n_layer + 1 else "block" for i in layers]
@@ -70,7 +69,7 @@ def all_layers(cell: Cell) -> range:
     return range(len(cell.shape.layer_tensors()))
 
 
-def compute_seconds(cell: Cell, platform: Platform, flops: StepFlops, layers: range, passes: int) -> float:
+def compute_seconds(cell: Cell, platform: Platform, flops: StepFlops, layers: list[int] | range, passes: int) -> float:
     """The compute of a rank running `layers`, `passes` forward-backward passes a step (docs/time.md,
     "Compute"): matrix FLOPs at the rate of the step's mean operation, memory-bound bytes (activations
     written in forward and read in backward; the model state once through the optimizer), dispatch."""
@@ -171,53 +170,46 @@ def megatron(cell: Cell, platform: Platform) -> StepTime:
     return StepTime(compute, tp_comm + dp_comm, tp_comm + overlapped(platform, dp_comm, backward, tail))
 
 
-def whole_model(cell: Cell, batch: int, micro: int) -> Cell:
-    """The same work as one process training the whole model on `batch` samples in micro-batches of
-    `micro`: what a pipeline's ranks share between them."""
-    return dataclasses.replace(cell, framework="ddp", gpus=1, batch_per_gpu=batch,
-                               micro_batch=None if micro == batch else micro, options=dict(cell.options))
-
-
-def stage_share(cell: Cell, sizes: list[int], ranks: int) -> float:
-    """The busiest rank's share of the model's work: its stages' dispatched ops over the model's
-    (stage s on rank s % ranks)."""
+def rank_layers(sizes: list[int], rank: int, ranks: int) -> list[int]:
+    """The layers of rank `rank` where stage s of `sizes` layers runs on rank s % ranks."""
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
-    per_rank = [0.0] * ranks
-    for stage, (start, size) in enumerate(zip(starts, sizes)):
-        forward, backward, _ = layer_ops(cell.shape, range(start, start + size))
-        per_rank[stage % ranks] += forward + backward
-    return max(per_rank) / sum(per_rank)
+    return [layer for stage in range(rank, len(sizes), ranks) for layer in range(starts[stage], starts[stage] + sizes[stage])]
+
+
+def pipeline_plan(cell: Cell) -> tuple[str, int, int, int, list[int]]:
+    """(schedule, stages a rank, micro-batches a step, samples a micro-batch, layers a stage) of a pipeline
+    as its plan runs it (repro.model.flops and repro.model.pipelines hold the same rules)."""
+    ranks = cell.gpus
+    if cell.framework == "torchgpipe":
+        layers = len(cell.shape.layer_tensors())
+        return "gpipe", 1, cell.option("chunks_per_gpu", 4) * ranks, cell.batch_per_gpu, \
+            cell.option("balance", None) or even_balance(layers, ranks)
+    if cell.framework == "pipedream":
+        return "pipedream", 1, 1, cell.batch_per_gpu, pipelines.stage_sizes(cell, ranks)
+    per_rank = pipelines.stages_per_rank(cell)
+    micro = cell.option("microbatches", None) or 2 * ranks
+    return cell.option("schedule", "1f1b"), per_rank, micro, cell.batch_per_gpu * ranks // micro, \
+        pipelines.stage_sizes(cell, ranks * per_rank)
 
 
 def pipeline(cell: Cell, platform: Platform) -> StepTime:
-    """torchgpipe, torch's pipeline schedules, PipeDream: the whole model's work on the step's samples,
-    the busiest rank's share of it, stretched by the schedule's slots (pipelines.schedule_slots); the
-    busiest rank's hand-overs on the critical path. torchgpipe drives every partition from one process:
-    on CPU stand-ins one host runs all of it, one after another."""
-    fw, ranks = cell.framework, cell.gpus
-    weights = [sum(layer) for layer in cell.shape.layer_tensors()]
-    if fw == "torchgpipe":
-        micro, per_rank, schedule = cell.option("chunks_per_gpu", 4) * ranks, 1, "gpipe"
-        batch = cell.batch_per_gpu * micro
-        sizes = cell.option("balance", None) or even_balance(len(weights), ranks)
-    elif fw == "torch-pipeline":
-        schedule = cell.option("schedule", "1f1b")
-        per_rank = cell.option("stages_per_rank", None) or (2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1)
-        batch = cell.batch_per_gpu * ranks
-        micro = cell.option("microbatches", None) or 2 * ranks
-        sizes = cell.option("balance", None) or balance(weights, ranks * per_rank, cell.shape.stage_starts())
-    else:
-        micro, per_rank, schedule, batch = 1, 1, "pipedream", cell.batch_per_gpu
-        sizes = cell.option("balance", None) or balance(weights, ranks, cell.shape.stage_starts())
-    whole = whole_model(cell, batch, batch // micro)
-    work = compute_seconds(whole, platform, step_flops(whole), all_layers(whole), micro)
-    comm = sum(collective_seconds(platform, kind, payload, 2, 2 * micro) for kind, payload in costs.predict(cell).comm.items()
-               if kind in ("send", "all_reduce"))
-    if fw == "torchgpipe" and not platform.dispatch_overlaps:
-        return StepTime(work, 0.0, 0.0)
-    busiest = work * stage_share(cell, sizes, ranks)
+    """torchgpipe, torch's pipeline schedules, PipeDream: the busiest rank's compute on its stages'
+    layers over the step's micro-batches (repro.model.flops), stretched by the schedule's fill and drain
+    (pipelines.schedule_slots), its hand-overs on the critical path. torchgpipe drives every partition
+    from one process: on CPU stand-ins one host runs all of them, one after another, and hands nothing over."""
+    schedule, per_rank, micro, _, sizes = pipeline_plan(cell)
+    ranks = cell.gpus
+    if cell.framework == "torchgpipe" and not platform.dispatch_overlaps:
+        flops = step_flops(dataclasses.replace(cell, gpus=1, options={**cell.options, "balance": [sum(sizes)],
+                                                                      "chunks_per_gpu": micro}))
+        return StepTime(compute_seconds(cell, platform, flops, list(all_layers(cell)), micro), 0.0, 0.0)
+    flops = step_flops(cell)
+    busiest = max(range(ranks), key=lambda rank: sum(layer_ops(cell.shape, rank_layers(sizes, rank, ranks))[:2]))
+    compute = compute_seconds(cell, platform, flops, rank_layers(sizes, busiest, ranks), micro)
+    comm = sum(collective_seconds(platform, kind, payload, 2, 2 * micro)
+               for kind, payload in costs.predict(cell).comm.items() if kind in ("send", "all_reduce"))
     slots = pipelines.schedule_slots(schedule, ranks, per_rank, micro)
-    return StepTime(busiest, comm, comm, busiest * (slots - micro) / micro)
+    return StepTime(compute, comm, comm, compute * (slots - micro) / micro)
 
 
 def step_time(cell: Cell, platform: Platform) -> StepTime:

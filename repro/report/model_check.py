@@ -152,3 +152,27 @@ def log(uri: str, checked: list[dict[str, Any]]) -> None:
                 values[names.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
         if values:
             tracking.Run.connect(uri, cell["run_id"]).log_values(values)
+
+
+def check_run(recipe: Any, uri: str, experiment: str) -> str | None:
+    """A single `repro run`'s own check, logged on its MLflow run (`log`): its counted figures and, on a
+    CPU with no more processes than cores, its step time against this machine's profile (calibrated on
+    first use and kept beside the store: repro.calibrate). One line saying the step-time verdict, or None."""
+    from repro import calibrate
+    from repro.cell import Cell
+    from repro.hardware import cpu_cores
+    from repro.report.collect import collect
+
+    cell = Cell(recipe.workload, recipe.run.framework, recipe.run.framework, recipe.run.gpus, recipe)
+    results = [result for result in collect([cell], uri, experiment) if result.ok]
+    if not results:
+        return None
+    processes = registry.plan_class(recipe.run.framework).processes(recipe)
+    local = costs.cell_of(recipe).device == "cpu" and processes <= cpu_cores()
+    checked = checks(results, calibrate.calibrated(calibrate.store_folder(uri)) if local else None, cpu_cores())
+    log(uri, checked)
+    row = next((row for row in checked[0].get("rows", []) if row["quantity"] == "step_time"), None)
+    if row is None or row["error"] is None:
+        return None
+    return (f"step time: measured {row['measured'] * 1e3:.1f} ms, modelled {row['modelled'] * 1e3:.1f} ms "
+            f"(error {row['error']:.1%}, bound {row['bound']:.0%}; repro/model/time.py)")
