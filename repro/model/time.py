@@ -200,9 +200,8 @@ def pipeline(cell: Cell, platform: Platform) -> StepTime:
     schedule, per_rank, micro, _, sizes = pipeline_plan(cell)
     ranks = cell.gpus
     if cell.framework == "torchgpipe" and not platform.dispatch_overlaps:
-        flops = step_flops(dataclasses.replace(cell, gpus=1, options={**cell.options, "balance": [sum(sizes)],
-                                                                      "chunks_per_gpu": micro}))
-        return StepTime(compute_seconds(cell, platform, flops, list(all_layers(cell)), micro), 0.0, 0.0)
+        one = dataclasses.replace(cell, gpus=1, options={**cell.options, "balance": [sum(sizes)], "chunks_per_gpu": micro})
+        return StepTime(compute_seconds(one, platform, step_flops(one), all_layers(cell), micro), 0.0, 0.0)
     flops = step_flops(cell)
     busiest = max(range(ranks), key=lambda rank: sum(layer_ops(cell.shape, rank_layers(sizes, rank, ranks))[:2]))
     compute = compute_seconds(cell, platform, flops, rank_layers(sizes, busiest, ranks), micro)
