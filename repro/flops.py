@@ -13,19 +13,24 @@ registry's SDPA formulas, and files each operation under a phase:
 - forward: the rest (the optimizer's step is elementwise: none of it counts).
 
 A dispatch mode is thread-local: it sees the ops of the thread that entered it and of the autograd
-engine's threads, which inherit the caller's thread-local state. The loop counts one warm-up step
-(`Trainer.counters`), which the step times leave out.
+engine's threads, which inherit the caller's thread-local state; torchgpipe's partitions run their
+forwards on worker threads of their own, which the counter reaches by hooks on them (`watch`). The
+loop counts one warm-up step (`Trainer.counters`), which the step times leave out.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import threading
+from typing import Any, Iterator, Sequence
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
-PHASES = ("forward", "backward", "recompute")
+from repro import names
+
+PHASES = names.FLOP_PHASES
 aten = torch.ops.aten
 
 
@@ -45,20 +50,12 @@ CPU_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa,
                 aten._scaled_dot_product_flash_attention_for_cpu_backward: cpu_sdpa_backward}
 
 
-class FlopCounter(TorchDispatchMode):
-    """Counts one step's FLOPs by phase, while `counting()` is open."""
+class PhaseMode(TorchDispatchMode):
+    """The dispatch mode that files each counted operation of its thread under its phase with `counter`."""
 
-    def __init__(self) -> None:
+    def __init__(self, counter: "FlopCounter"):
         super().__init__()
-        self.counts = dict.fromkeys(PHASES, 0)
-        self.counted = False
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        self.counts = dict.fromkeys(PHASES, 0)
-        with self:
-            yield
-        self.counted = True
+        self.counter = counter
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -68,8 +65,53 @@ class FlopCounter(TorchDispatchMode):
         if formula is not None:
             in_engine = torch._C._current_graph_task_id() != -1
             phase = ("recompute" if torch.is_grad_enabled() else "backward") if in_engine else "forward"
-            self.counts[phase] += formula(*args, **kwargs, out_val=out)  # the registry's calling convention
+            self.counter.add(phase, formula(*args, **kwargs, out_val=out))  # the registry's calling convention
         return out
+
+
+class FlopCounter:
+    """Counts one step's FLOPs by phase, while `counting()` is open, on the thread that opened it and,
+    for modules it `watch`es, in their forwards on other threads (torchgpipe's workers)."""
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(PHASES, 0)
+        self.counted = False
+        self.thread: int | None = None  # the counting thread while counting
+        self.lock = threading.Lock()
+        self.elsewhere = threading.local()  # a watched module's modes open on other threads
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self.counts = dict.fromkeys(PHASES, 0)
+        self.thread = threading.get_ident()
+        try:
+            with PhaseMode(self):
+                yield
+        finally:
+            self.thread = None
+        self.counted = True
+
+    def add(self, phase: str, flops: int) -> None:
+        with self.lock:
+            self.counts[phase] += flops
+
+    def watch(self, modules: Sequence[nn.Module]) -> None:
+        """Count the forwards of `modules` wherever they run: a dispatch mode is thread-local, and
+        torchgpipe runs its partitions' forwards on worker threads that do not inherit it."""
+        for module in modules:
+            module.register_forward_pre_hook(self.enter_elsewhere)
+            module.register_forward_hook(self.leave_elsewhere, always_call=True)
+
+    def enter_elsewhere(self, module: nn.Module, args: Any) -> None:
+        if self.thread is not None and threading.get_ident() != self.thread:
+            mode = PhaseMode(self)
+            mode.__enter__()
+            self.elsewhere.modes = [*getattr(self.elsewhere, "modes", []), mode]
+
+    def leave_elsewhere(self, module: nn.Module, args: Any, output: Any) -> None:
+        modes = getattr(self.elsewhere, "modes", [])
+        if modes:
+            modes.pop().__exit__(None, None, None)
 
     def per_step(self) -> dict[str, int] | None:
         """FLOPs by phase of the counted step; None before one is counted."""

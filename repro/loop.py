@@ -115,12 +115,14 @@ class Trainer:
           tensors, so these steps see the peak;
         - the communication counter (a profiler) around the last warm-up step, left out of the step
           times, when every framework is in its steady state (DDP has rebuilt its buckets, ZeRO's
-          optimizer state exists, a pipeline of up to WARMUP_STEPS stages has filled)."""
+          optimizer state exists, a pipeline of up to WARMUP_STEPS stages has filled), and the FLOP counter
+          (a dispatch mode: a Python call per operation) around the same step."""
         open_now = []
         if self.steps_here < WARMUP_STEPS + self.ctx.world:
             open_now.append(self.adapter.activations.hooks())
         if self.steps_here == WARMUP_STEPS - 1:
             open_now.append(self.adapter.communication.counting())
+            open_now.append(self.adapter.flops.counting())
         return open_now
 
     def counted_step(
@@ -208,7 +210,7 @@ class Trainer:
         mine = {"rank": self.ctx.rank, "peak_bytes": peak, "method": method,
                 "device_used_bytes": device_used_bytes(self.device), **self.adapter.model_state_bytes(),
                 "activation_peak_bytes": self.adapter.activations.peak_bytes,
-                "comm": self.adapter.communication.per_step()}
+                "comm": self.adapter.communication.per_step(), "flops": self.adapter.flops.per_step()}
         ranks = [mine]
         if dist.is_initialized() and self.ctx.world > 1:
             ranks = [None] * self.ctx.world

@@ -150,7 +150,7 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
     if activations:  # not from frameworks with their own runtime (LBANN)
         out += [(names.ACTIVATION_PEAK, max(activations.values()), step)]
         out += [(names.ESTIMATED_PEAK, max(state[rank] + activations[rank] for rank in activations), step)]
-    out += comm_metrics(ranks, step)
+    out += comm_metrics(ranks, step) + flop_metrics(ranks, step)
     for r in ranks:
         out += [(f"memory/rank{r['rank']}/peak_bytes", r["peak_bytes"], step)]
         out += [(f"memory/rank{r['rank']}/model_state_bytes", state[r["rank"]], step)]
@@ -168,6 +168,16 @@ def comm_metrics(ranks: list[dict[str, Any]], step: int) -> list[tuple[str, floa
         name = kind.replace(":", "_")  # MLflow keys allow no colon
         out += [(names.COMM_KIND_BYTES.format(name), max(kinds.get(kind, 0) for kinds in counted), step)]
     return out
+
+
+def flop_metrics(ranks: list[dict[str, Any]], step: int) -> list[tuple[str, float, int]]:
+    """The counted FLOPs of the step of the rank that computes the most, by phase and in all (absent
+    before the counter ran)."""
+    counted = [r["flops"] for r in ranks if r.get("flops")]
+    if not counted:
+        return []
+    busiest = max(counted, key=lambda phases: sum(phases.values()))
+    return [(names.FLOPS.format(phase), value, step) for phase, value in {**busiest, "total": sum(busiest.values())}.items()]
 
 
 class Run:

@@ -24,6 +24,7 @@ from repro.activation import Counter
 from repro.adapters.plan import FrameworkPlan
 from repro.checkpoint import atomic_torch_save
 from repro.communication import CommCounter
+from repro.flops import FlopCounter
 from repro.metrics import model_state
 from repro.recipe import Recipe
 from repro.workloads.base import Workload
@@ -94,6 +95,7 @@ class Adapter(FrameworkPlan):
         self.optimizer: torch.optim.Optimizer | None = None
         self.activations = Counter()  # the loop runs its first steps inside its hooks(); torchgpipe counts per partition
         self.communication = CommCounter()  # the loop counts one warm-up step; torchgpipe counts its partition boundaries
+        self.flops = FlopCounter()  # the loop counts the same step
 
     # -- per-rank behaviour --------------------------------------------------------------------
     def setup(self, model: nn.Sequential) -> None:

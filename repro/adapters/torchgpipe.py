@@ -69,6 +69,7 @@ class GPipeAdapter(GPipePlan, Adapter):
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())
         self.activations = PartitionCounters(self.model.partitions)
         self.communication = BoundaryCounter(self.model.partitions)
+        self.flops.watch(self.model.partitions)  # their forwards run on torchgpipe's worker threads
 
     def facts(self) -> dict[str, Any]:
         return {

@@ -23,15 +23,22 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from repro.model.pipelines import busiest, pipedream, torch_pipeline, torchgpipe
+from repro.names import FLOP_PHASES
 from repro.model.terms import ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, optimizer_bytes
 from repro.shapes import INT64, GPT2Shape, VGG16Shape, dim0_sharded, flat_sharded, parameters, shape_of, tensor_at, tensor_count
+
+if TYPE_CHECKING:  # repro.model.flops builds on this module's sharding terms
+    from repro.model.flops import StepFlops
 
 DEEPSPEED_ALIGNMENT = 2  # deepspeed/runtime/zero/stage_1_and_2.py: nccl_start_alignment_factor (x dp size)
 # the checked bounds (issue 29): model state and communication exact to 1%, activations to 5%
 BOUNDS = {"model_state": 0.01, "activations": 0.05, "comm": 0.01}
+# FLOPs by phase (repro.model.flops, issue 40): the counter applies the model's formulas to the real
+# step's operations, so they are held exact
+FLOP_BOUNDS = {f"flops_{phase}": 0.0 for phase in FLOP_PHASES}
 
 
 def ddp(cell: Cell) -> Prediction:
@@ -322,22 +329,31 @@ def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     (the first such rank), as MLflow's comm/bytes_per_step counts it (repro.tracking)."""
     comm = busiest([(rank.get("comm") or {}).get("bytes", {}) for rank in ranks])
     activations = [r["activation_peak_bytes"] for r in ranks if r.get("activation_peak_bytes") is not None]
+    counted = [r["flops"] for r in ranks if r.get("flops")]
+    flops = max(counted, key=lambda phases: sum(phases.values())) if counted else {}
     return {"model_state": max(r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks),
             "activations": max(activations) if activations else None,
-            "comm": sum(comm.values()) if any(r.get("comm") for r in ranks) else None, "comm_kinds": comm}
+            "comm": sum(comm.values()) if any(r.get("comm") for r in ranks) else None, "comm_kinds": comm,
+            **{f"flops_{phase}": flops.get(phase) for phase in FLOP_PHASES}}
 
 
-def compare(prediction: Prediction, measured: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per quantity: measured, modelled, relative error, bound and whether it holds (None where
-    either side is missing: not counted, or not modelled)."""
+def compare(prediction: Prediction, measured: dict[str, Any], flops: StepFlops | None = None) -> list[dict[str, Any]]:
+    """One row per quantity: measured, modelled, its unit (bytes; FLOPs: count), relative error, bound and
+    whether it holds (None where either side is missing: not counted, or not modelled); with `flops`
+    (repro.model.flops.step_flops), a row per FLOP phase too (the optimizer's are modelled, not counted)."""
     modelled = {"model_state": prediction.model_state, "activations": prediction.activations,
                 "comm": prediction.comm_bytes}
+    bounds = dict(BOUNDS)
+    if flops is not None:
+        modelled.update({f"flops_{phase}": getattr(flops, phase) for phase in FLOP_PHASES})
+        bounds.update(FLOP_BOUNDS)
     rows = []
-    for quantity, bound in BOUNDS.items():
+    for quantity, bound in bounds.items():
         have, want = measured.get(quantity), modelled[quantity]
         error = None
         if have is not None and want is not None:
             error = 0.0 if have == want else abs(have - want) / max(abs(want), 1)
         rows.append({"quantity": quantity, "measured": have, "modelled": want, "error": error, "bound": bound,
-                     "within": None if error is None else error <= bound})
+                     "within": None if error is None else error <= bound,
+                     "unit": "count" if quantity in FLOP_BOUNDS else "bytes"})
     return rows

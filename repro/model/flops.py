@@ -93,17 +93,29 @@ def optimizer_flops(cell: Cell, elements: int) -> int:
     return elements * (plain + (decay if cell.option("weight_decay", 0.0) else 0))
 
 
-def recomputed_forward(cell: Cell, forward: list[int]) -> int:
-    """Forward FLOPs of the blocks under full recompute (Cell.recomputed), done again in backward."""
-    return sum(sum(forward[start:stop]) for start, stop in cell.shape.blocks()[: cell.recomputed])
+def recomputed_forward(cell: Cell, batch: int) -> int:
+    """Forward FLOPs done again in backward by torch's non-reentrant checkpoint of the first
+    Cell.recomputed blocks (repro.adapters.recompute): each block's forward but what `early_stopped` skips."""
+    forward = layer_forward(cell.shape, batch)
+    blocks = cell.shape.blocks()[: cell.recomputed]
+    return sum(sum(forward[start:stop]) - early_stopped(cell.shape, batch) for start, stop in blocks)
+
+
+def early_stopped(shape: GPT2Shape | VGG16Shape, batch: int) -> int:
+    """FLOPs at a block's end that torch's non-reentrant checkpoint does not redo: its recomputation
+    stops once the last tensor the block saved for backward is back (torch/utils/checkpoint.py, early
+    stop, on by default), and a matrix product saves its inputs before it runs (autograd's generated
+    VariableType kernels), so a block ending in one skips it: GPT-2's MLP output projection (2 N 4d d).
+    A VGG-16 block ends in a max-pool, which saves the indices it outputs: it runs (no matmul after it)."""
+    return 8 * batch * shape.seq_len * shape.d_model**2 if isinstance(shape, GPT2Shape) else 0
 
 
 def data_parallel(cell: Cell, elements: int) -> StepFlops:
     """DDP, ZeRO, FSDP: the whole model on batch_per_gpu samples a rank (micro-batches add up to it);
     the optimizer over the rank's `elements`."""
-    forward = layer_forward(cell.shape, cell.batch_per_gpu)
-    return StepFlops(sum(forward), sum(layer_backward(cell.shape, cell.batch_per_gpu)),
-                     recomputed_forward(cell, forward), optimizer_flops(cell, elements))
+    batch = cell.batch_per_gpu
+    return StepFlops(sum(layer_forward(cell.shape, batch)), sum(layer_backward(cell.shape, batch)),
+                     recomputed_forward(cell, batch), optimizer_flops(cell, elements))
 
 
 def megatron(cell: Cell) -> StepFlops:
@@ -115,7 +127,7 @@ def megatron(cell: Cell) -> StepFlops:
     linears, attention = 24 * n * d * d // tp, 4 * b * s * s * d // tp
     head = 2 * n * d * (-(-shape.vocab // tp))
     forward = shape.n_layer * (linears + attention) + head
-    recompute = cell.recomputed * (linears + attention)
+    recompute = cell.recomputed * (linears + attention)  # megatron-core's checkpoint is reentrant: whole blocks
     return StepFlops(forward, 2 * forward, recompute, optimizer_flops(cell, megatron_elements(shape, tp)))
 
 
@@ -137,18 +149,25 @@ def pipeline(cell: Cell, stages: list[tuple[int, int, int]], elements: list[int]
     return max(per_rank, key=lambda flops: flops.counted)
 
 
-def torchgpipe(cell: Cell) -> StepFlops:
-    """torchgpipe: each partition (stand-in GPU) runs chunks_per_gpu x k micro-batches of batch_per_gpu
-    samples and recomputes the checkpointed ones (CHECKPOINTED) in backward; the busiest partition."""
+def torchgpipe_partitions(cell: Cell) -> list[StepFlops]:
+    """torchgpipe, per partition (a GPU at paper scale): chunks_per_gpu x k micro-batches of
+    batch_per_gpu samples through it, the checkpointed ones (CHECKPOINTED) recomputed in backward; the
+    optimizer over its parameters (the last partition also a copy of the tied weight: the adapter unties it)."""
     k, layers = cell.gpus, len(cell.shape.layer_tensors())
     sizes = cell.option("balance", None) or even_balance(layers, k)
     chunks = cell.option("chunks_per_gpu", 4) * k
     recomputed = CHECKPOINTED[cell.option("checkpoint", "except_last")](chunks) * cell.batch_per_gpu
     stages = stage_flops(cell, sizes, chunks * cell.batch_per_gpu, recomputed)
-    # the adapter unties the head's weight: the last partition holds a copy (costs' torchgpipe)
     elements = [sum(map(sum, part)) for part in split(cell.shape.layer_tensors(), sizes)]
     elements[-1] += cell.shape.tied_elements()
-    return max((pipeline(cell, [stage], [held]) for stage, held in zip(stages, elements)), key=lambda f: f.counted)
+    return [pipeline(cell, [stage], [held]) for stage, held in zip(stages, elements)]
+
+
+def torchgpipe(cell: Cell) -> StepFlops:
+    """torchgpipe's one process, which drives every partition (what the run's counter sees: the
+    partitions' sum; on GPUs each partition's work is its device's, `torchgpipe_partitions`)."""
+    partitions = torchgpipe_partitions(cell)
+    return StepFlops(*(sum(getattr(part, phase) for part in partitions) for phase in ("forward", "backward", "recompute", "optimizer")))
 
 
 def torch_pipeline(cell: Cell) -> StepFlops:

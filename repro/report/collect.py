@@ -31,6 +31,7 @@ class Result:
     activation_bytes: float | None = None  # tensors saved for backward, peak (repro.activation)
     estimated_peak_bytes: float | None = None  # model state + activations: a GPU's peak, estimated on CPU
     comm_bytes: float | None = None  # payload handed to communication per step, busiest rank (repro.communication)
+    flops: dict[str, float | None] = field(default_factory=dict)  # one step's counted FLOPs by phase, busiest rank (repro.flops)
     facts: dict[str, Any] = field(default_factory=dict)  # the adapter's setup decisions (params adapter.*)
     settings: dict[str, str] = field(default_factory=dict)  # what the framework trains with (report.settings)
     memory_method: str = ""
@@ -195,6 +196,7 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             activation_bytes=run.data.metrics.get(names.ACTIVATION_PEAK),
             estimated_peak_bytes=run.data.metrics.get(names.ESTIMATED_PEAK),
             comm_bytes=run.data.metrics.get(names.COMM_BYTES),
+            flops={phase: run.data.metrics.get(names.FLOPS.format(phase)) for phase in names.FLOP_PHASES},
             facts={k.removeprefix("adapter."): json.loads(v) for k, v in run.data.params.items() if k.startswith("adapter.")},
             settings=run_settings.from_params(run.data.params, cell.recipe),
             memory_method=run.data.tags.get(names.MEMORY_METHOD, ""),

@@ -1,8 +1,8 @@
 """reports/model_check.{md,json}: every finished cell's counted figures against the cost model.
 
-For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes)
-and payload per step (comm/bytes_per_step), busiest rank, against repro.model.costs's figure for the
-cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
+For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes),
+payload per step (comm/bytes_per_step) and one step's FLOPs by phase (flops/*), busiest rank, against
+repro.model.costs's and repro.model.flops's figures for the cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
 framework has no model, or a quantity the model leaves open, says so instead of a verdict. The model's
 figure and error are also logged on the cell's own MLflow run (names.MODEL_CHECK).
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from repro import names, registry
-from repro.model import costs, time
+from repro.model import costs, flops, time
 from repro.model.platforms import Platform
 from repro.report.collect import Result
 from repro.report.evidence import Prediction, Predictor
@@ -33,11 +33,12 @@ def check(result: Result, platform: Platform | None = None, cores: int = 0) -> d
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
     try:
         cell = costs.cell_of(result.cell.recipe, result.facts)
-        prediction = costs.predict(cell)
+        prediction, step_flops = costs.predict(cell), flops.step_flops(cell)
     except (KeyError, ValueError) as error:
         return {**out, "why": f"not modelled: {error.args[0]}"}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
-    rows = costs.compare(prediction, measured)
+    measured.update({f"flops_{phase}": count for phase, count in result.flops.items()})
+    rows = costs.compare(prediction, measured, step_flops)
     processes = registry.plan_class(cell.framework).processes(result.cell.recipe)
     if platform is not None and processes <= cores and cell.device == "cpu":
         rows.append(step_time_row(result.framework_step_time(), time.step_time(cell, platform).total_s))
@@ -48,8 +49,8 @@ def step_time_row(measured: float | None, modelled: float) -> dict[str, Any]:
     """A row like costs.compare's for the step time: the framework's measured median step (seconds, the
     loop's time between steps left out: Result.framework_step_time) against the model's on this machine."""
     error = None if not measured else abs(measured - modelled) / measured
-    return {"quantity": "step_time", "measured": measured, "modelled": modelled, "error": error, "bound": time.BOUND,
-            "within": None if error is None else error <= time.BOUND}
+    return {"quantity": "step_time", "unit": "seconds", "measured": measured, "modelled": modelled, "error": error,
+            "bound": time.BOUND, "within": None if error is None else error <= time.BOUND}
 
 
 def checks(results: list[Result], platform: Platform | None = None, cores: int = 0) -> list[dict[str, Any]]:
@@ -69,7 +70,7 @@ def median_step_time_error(checked: list[dict[str, Any]]) -> float | None:
 
 def markdown(checked: list[dict[str, Any]]) -> str:
     lines = ["# Counted against modelled, per cell (busiest rank)", "",
-             "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costs.BOUNDS.items()) +
+             "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in {**costs.BOUNDS, **costs.FLOP_BOUNDS}.items()) +
              ". The model: repro/model/costs.py; what it says at paper scale: `repro predict`.", "",
              "| cell | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|"]
     median = median_step_time_error(checked)
@@ -87,7 +88,7 @@ def markdown(checked: list[dict[str, Any]]) -> str:
         for row in cell["rows"]:
             verdict = {True: "yes", False: "**no**", None: "not counted" if row["measured"] is None else "not modelled"}
             error = "" if row["error"] is None else f"{row['error']:.2%}"
-            lines.append(f"| {cell['cell']} | {row['quantity']} | {fmt(row['measured'])} | {fmt(row['modelled'])} | "
+            lines.append(f"| {cell['cell']} | {row['quantity']} | {fmt(row['measured'], row['unit'])} | {fmt(row['modelled'], row['unit'])} | "
                          f"{error} | {verdict[row['within']]} |")
     return "\n".join(lines) + "\n"
 
@@ -119,11 +120,11 @@ def checked_errors(checked: list[dict[str, Any]], row: str) -> tuple[dict[str, f
     return worst, len(cells) if worst else 0
 
 
-def fmt(value: float | None) -> str:
-    """Bytes as integers; seconds (below 1000) to 4 significant digits."""
+def fmt(value: float | None, unit: str = "bytes") -> str:
+    """Bytes and FLOPs as integers, seconds to 4 significant digits."""
     if value is None:
         return ""
-    return f"{value:.4g}" if isinstance(value, float) and value < 1000 and value != int(value) else f"{int(value):,}"
+    return f"{value:.4g}" if unit == "seconds" else f"{int(value):,}"
 
 
 def write(folder: Path, checked: list[dict[str, Any]], uri: str | None = None) -> list[Path]:
@@ -147,7 +148,7 @@ def log(uri: str, checked: list[dict[str, Any]]) -> None:
                     values[names.STEP_TIME_ERROR] = row["error"]
                 continue
             if row["modelled"] is not None:
-                values[names.MODEL_CHECK.format(row["quantity"], "bytes")] = row["modelled"]
+                values[names.MODEL_CHECK.format(row["quantity"], row["unit"])] = row["modelled"]
             if row["error"] is not None:
                 values[names.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
         if values:
