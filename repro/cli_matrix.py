@@ -238,16 +238,16 @@ def print_times(workloads: tuple[str, ...], scale: str, name: str) -> None:
     note = "published figures with a stated efficiency: an assumption" if platform.assumption else "measured"
     for workload in workloads:
         click.echo(f"{workload}, {scale} scale, on {platform.name} ({note}; {platform.ranks_per_node} GPUs a node): "
-                   "seconds a step (compute + exposed communication + pipeline bubble), hours an epoch")
-        click.echo(f"  {'row':<16}{'gpus':>5}{'step':>9}{'compute':>9}{'comm':>9}{'bubble':>9}{'steps':>9}{'epoch h':>9}")
+                   "seconds a step (compute + exposed communication + pipeline bubble), seconds an epoch")
+        click.echo(f"  {'row':<16}{'gpus':>5}{'step':>9}{'compute':>9}{'comm':>9}{'bubble':>9}{'steps':>9}{'epoch s':>9}")
         rows = matrix_times(workload, platform, scale)
         for entry in rows:
-            step, hours = entry["step"], "-" if entry["epoch_s"] is None else f"{entry['epoch_s'] / 3600:.2f}"
+            step, epoch = entry["step"], "-" if entry["epoch_s"] is None else f"{entry['epoch_s']:.0f}"
             click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{step.total_s:>9.3f}{step.compute_s:>9.3f}{step.exposed_s:>9.3f}"
-                       f"{step.bubble_s:>9.3f}{entry['epoch_steps'] or '-':>9}{hours:>9}")
+                       f"{step.bubble_s:>9.3f}{entry['epoch_steps'] or '-':>9}{epoch:>9}")
         most = max(entry["gpus"] for entry in rows)
         timed = sorted((entry for entry in rows if entry["gpus"] == most and entry["epoch_s"]), key=lambda e: e["epoch_s"])
-        click.echo(f"  at {most} GPUs, fastest epoch first: " + ", ".join(f"{e['row']} {e['epoch_s'] / 3600:.2f} h" for e in timed))
+        click.echo(f"  at {most} GPUs, fastest epoch first: " + ", ".join(f"{e['row']} {e['epoch_s']:.0f} s" for e in timed))
         if workload == "gpt2":
             for gpus in (g for g in sorted({entry["gpus"] for entry in rows}) if g >= 8):
                 splits = fastest_split(workload, gpus, platform, scale)
