@@ -253,6 +253,17 @@ def matrix_times(workload: str, platform: Any, scale: str = "paper") -> list[dic
     return out
 
 
+def epoch_seconds(workload: str, row_name: str, gpus: int, platform: Any, scale: str = "paper") -> float | None:
+    """A Table 2 row's predicted epoch time on `platform` (None: not modelled, or the dataset's size unknown)."""
+    from repro.model import time
+
+    cell = row_cell(workload, row_name, gpus, scale)
+    if cell is None or predict_row(workload, row_name, gpus, scale, cell=cell) is None:
+        return None
+    steps = time.epoch_steps(cell, recipe_dataset(workload, scale))
+    return None if steps is None else steps * time.step_time(cell, platform).total_s
+
+
 def fastest_split(workload: str, gpus: int, platform: Any, scale: str = "paper") -> list[tuple[int, float]]:
     """Megatron's (tensor-parallel size, step time) at `gpus` for every tp dividing the heads and the GPUs
     (dp = gpus / tp), fastest first: which tensor x data split the model puts first on `platform`."""

@@ -13,6 +13,7 @@ and names.STEP_TIME_ERROR.
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -96,15 +97,24 @@ def markdown(checked: list[dict[str, Any]]) -> str:
 def paper_predictor(checked: list[dict[str, Any]]) -> Predictor:
     """The cost model at paper scale for the findings and answers: each cell's predicted memory per GPU
     (model state + activations, where both are modelled) and payload per step, with the largest error
-    that the same framework's cells showed here against the counters."""
-    from repro.model.predict import predict_row
+    that the same framework's cells showed here against the counters; and its epoch time on each
+    shipped platform profile (repro.model.time), with the median step-time error of this job's check."""
+    from repro.model import platforms
+    from repro.model.predict import epoch_seconds, predict_row
 
+    profiles = {name: platforms.load(name) for name in platforms.SHIPPED}
+    time_error, time_cells = median_step_time_error(checked), len(step_time_errors(checked))
+
+    @functools.lru_cache(maxsize=None)  # findings and answers ask for the same cells again
     def predicted(workload: str, row: str, gpus: int) -> Prediction | None:
         prediction = predict_row(workload, row, gpus)
         if prediction is None:
             return None
+        epochs = {name: epoch_seconds(workload, row, gpus, profile) for name, profile in profiles.items()}
         return Prediction(prediction.estimated_peak, prediction.comm_bytes, *checked_errors(checked, row),
-                          model_state_bytes=prediction.model_state)
+                          model_state_bytes=prediction.model_state,
+                          epoch_s={name: s for name, s in epochs.items() if s is not None},
+                          time_error=time_error, time_cells=time_cells)
 
     return predicted
 
