@@ -62,6 +62,7 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed, after_each=early)
         click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
                    f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
+    with_settings = None
     if scale == "smoke" and not rows:  # the parity section: its report also feeds the findings
         from repro import parity as parity_module
 
@@ -71,7 +72,10 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
                                                  execute=not reports_only)
         for path in parity_module.write(found, reports, parity_module.STEPS, partings):
             click.echo(str(path))
-    for path in write_reports(cells, uri, experiment, reports, scale):
+        # its runs with memory settings, checked against the cost model beside the matrix's cells
+        with_settings = ([cell for model in ("gpt2", "vgg16") for cell in parity_module.setting_cells(model, scale)],
+                         f"parity-{scale}")
+    for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings):
         click.echo(str(path))
 
 

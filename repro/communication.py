@@ -92,7 +92,7 @@ class CommCounter:
 
     def per_step(self) -> dict[str, Any]:
         """{"bytes": {kind: bytes}, "calls": {kind: count}} of one step (averaged over counted steps);
-        {} when no step was counted (a run shorter than the warm-up)."""
+        {} when no step was counted (a run stopped before the step the loop counts)."""
         if not self.steps:
             return {}
         steps = self.steps

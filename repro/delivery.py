@@ -120,8 +120,8 @@ class Delivery:
                 self.run().log_artifact(path)
                 self.state.files[path.name] = mark
                 self.state.save(self.run_dir)
-        for key, value in outcome.tags.items():
-            self.run().set_tag(key, value)
+        if outcome.tags or outcome.metrics:
+            self.run().log_values(outcome.metrics, outcome.tags)
         self.run().end(outcome.status, outcome.error)
         self.state.ended, self.state.undelivered = outcome.status, None
         self.state.save(self.run_dir)

@@ -21,6 +21,28 @@ PEAK_TFLOPS: list[tuple[str, float, float, float]] = [
     ("V100", 7.8, 15.7, 125.0),
 ]
 
+# name fragment -> CUDA compute capability (major), from NVIDIA's CUDA GPUs table: bf16 arithmetic
+# starts at 8 (Ampere), torch's own test without emulation (torch/cuda/__init__.py, is_bf16_supported)
+COMPUTE_CAPABILITY: list[tuple[str, int]] = [("H200", 9), ("H100", 9), ("A100", 8), ("V100", 7)]
+BF16_CAPABILITY = 8
+
+
+def capability_of(device_name: str) -> int | None:
+    """The compute capability (major) of a device named like "V100-16GB" or CUDA's "Tesla V100-SXM2-16GB"."""
+    return next((major for fragment, major in COMPUTE_CAPABILITY if fragment in device_name), None)
+
+
+def automatic_precision(device_type: str, capability: int | None = None) -> str:
+    """What `train.precision: auto` trains with on a device: bf16 where the device computes in bf16, fp16 on
+    GPUs that do not (the paper's V100s, capability 7: fp16 with loss scaling, as Megatron-LM and DeepSpeed
+    trained there). CPUs: bf16, torch's CPU autocast dtype (torch.get_autocast_dtype("cpu")); fp16 on a CPU
+    needs AVX512-FP16 or AMX-FP16 (torch.ops.mkldnn._is_mkldnn_fp16_supported), bf16 runs on any. A GPU of
+    unknown capability (None) is taken as today's GPUs are: bf16."""
+    if device_type == "cuda" and capability is not None and capability < BF16_CAPABILITY:
+        return "fp16"
+    return "bf16"
+
+
 # The paper's Table 2, as published (memory per node: 4 x 16 GB V100 on Lassen, 8 x 40 GB A100 on ThetaGPU).
 PAPER_PLATFORMS = [
     {"platform": "Lassen (paper)", "nodes": 795, "cpu": "IBM Power9", "cores_per_node": 44, "gpu": "NVIDIA V100",
@@ -96,6 +118,13 @@ def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_capability() -> int | None:
+    """Compute capability (major) of this machine's first CUDA device (None without CUDA)."""
+    import torch
+
+    return torch.cuda.get_device_capability(0)[0] if torch.cuda.is_available() else None
 
 
 def gpu_memory_bytes() -> int:

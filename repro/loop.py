@@ -33,7 +33,7 @@ from repro.batches import EvenShard, GlobalBatches, batches
 from repro.metrics import (
     WARMUP_STEPS, StepClock, Stopwatch, Timer, device_name, device_used_bytes, peak_memory_bytes, step_time_summary,
 )
-from repro.rank import init_distributed, leave, pick_device
+from repro.rank import init_distributed, leave, pick_device, resolve_precision
 from repro.recipe import Recipe
 from repro.runfiles import Position, RunFolder
 
@@ -52,9 +52,10 @@ class Trainer:
     """Runs the epochs of one rank and emits events on the reporting rank."""
 
     def __init__(self, recipe: Recipe, run_dir: Path, data_dir: Path):
-        self.recipe, self.run_dir, self.folder = recipe, run_dir, RunFolder(run_dir)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = pick_device(recipe, self.local_rank)
+        recipe = resolve_precision(recipe, self.device)
+        self.recipe, self.run_dir, self.folder = recipe, run_dir, RunFolder(run_dir)
         rank, world, local_rank = init_distributed(self.device, recipe.run.timeout_s)
         seeds = seeding.seed_table(recipe.seed, rank)
         if self.device.type == "cpu":
@@ -81,6 +82,7 @@ class Trainer:
         self.phase = "setup"  # "steps" while the epoch timer runs, "epoch" between epochs
         self.host_syncs: collections.Counter[str] = collections.Counter()  # "phase/site" -> count
         self.steps_here = 0  # steps this process has run (warm-up is counted from its start)
+        self.comm_step = WARMUP_STEPS - 1  # the step of this process the communication counter counts (run)
         self.vote: tuple[dist.Work | None, torch.Tensor] | None = None  # the stop vote in flight
         self.vote_every = 1  # steps between stop votes, set once the epoch length is known (run)
         self.vote_group = None  # gloo: the vote never touches a GPU
@@ -115,12 +117,13 @@ class Trainer:
           tensors, so these steps see the peak;
         - the communication counter (a profiler) around the last warm-up step, left out of the step
           times, when every framework is in its steady state (DDP has rebuilt its buckets, ZeRO's
-          optimizer state exists, a pipeline of up to WARMUP_STEPS stages has filled), and the FLOP counter
-          (a dispatch mode: a Python call per operation) around the same step."""
+          optimizer state exists, a pipeline of up to WARMUP_STEPS stages has filled); in a run shorter
+          than the warm-up (the parity runs' 4 steps), around its last step, so that it is counted too; and
+          the FLOP counter (a dispatch mode: a Python call per operation) around the same step."""
         open_now = []
         if self.steps_here < WARMUP_STEPS + self.ctx.world:
             open_now.append(self.adapter.activations.hooks())
-        if self.steps_here == WARMUP_STEPS - 1:
+        if self.steps_here == self.comm_step:
             open_now.append(self.adapter.communication.counting())
             open_now.append(self.adapter.flops.counting())
         return open_now
@@ -228,6 +231,7 @@ class Trainer:
             )
         self.vote_every = min(self.window, max(steps_per_epoch // STOP_VOTES_PER_EPOCH, 1))
         at = self.restore()
+        self.comm_step = min(WARMUP_STEPS, self.planned_steps(steps_per_epoch) - at.step) - 1
         if at.step:
             self.emit(events.RESUME, step=at.step, epoch=at.epoch, epoch_step=at.epoch_step, elapsed_s=at.elapsed_s)
         else:
@@ -236,7 +240,7 @@ class Trainer:
                 device_name=device_name(self.device),
                 global_batch=self.global_batch, steps_per_epoch=steps_per_epoch, epochs=recipe.train.epochs,
                 max_steps=recipe.train.max_steps, train_samples=len(self.train_set), val_samples=len(self.val_set),
-                adapter=self.adapter.facts(), effective=self.adapter.pieces(),
+                adapter=self.adapter.facts(), effective={**self.adapter.pieces(), "precision": recipe.train.precision},
             )
         for epoch in range(at.epoch, recipe.train.epochs):
             if self.done(at):
@@ -298,6 +302,11 @@ class Trainer:
         """After every `checkpoint_every`-th epoch, and after the run's last (`at` has moved past the epoch)."""
         train = self.recipe.train
         return at.epoch % train.checkpoint_every == 0 or at.epoch == train.epochs or self.done(at)
+
+    def planned_steps(self, steps_per_epoch: int) -> int:
+        """Steps of the whole run: its epochs', or train.max_steps where fewer."""
+        planned = steps_per_epoch * self.recipe.train.epochs
+        return min(planned, self.recipe.train.max_steps) if self.recipe.train.max_steps else planned
 
     def done(self, at: Position) -> bool:
         return bool(self.recipe.train.max_steps and at.step >= self.recipe.train.max_steps)

@@ -37,7 +37,8 @@ ERROR = "repro.error"
 INTERRUPTED = "repro.interrupted"
 FAILED_RANK = "repro.failed_rank"
 SETTLED = "repro.settled"
-END_TAGS = (ERROR, INTERRUPTED, FAILED_RANK, SETTLED)
+MODEL_CHECK_LINE = "repro.model_check"  # the run's check of the cost model against its counters, in one line (repro.model.check)
+END_TAGS = (ERROR, INTERRUPTED, FAILED_RANK, SETTLED, MODEL_CHECK_LINE)
 ERROR_CHARS = 4800  # what of an end's message the ERROR tag keeps (MLflow keeps 5000 characters of a tag)
 
 # tags of the report's own run (repro.report.build)
@@ -66,7 +67,7 @@ ESTIMATED_PEAK = "memory/estimated_peak_bytes"  # model state + activation peak:
 FLOP_PHASES = ("forward", "backward", "recompute")  # what repro.flops counts a step's FLOPs under
 FLOPS = "flops/{}"  # {} is a FLOP phase or total: one step's counted FLOPs (repro.flops), busiest rank
 COMM_BYTES = "comm/bytes_per_step"  # payload a rank hands to its process groups in one step (repro.communication), busiest rank
-MODEL_CHECK = "model/{}_{}"  # {quantity}_{bytes|count|error}: the cost model's figure for a run (count: FLOPs), and its relative error
+MODEL_CHECK = "model/{}_{}"  # {quantity}_{bytes|count|error}: the cost model's figure for a run (count: FLOPs), and its relative error (logged at its end)
 STEP_TIME_PREDICTED = "model/step_time_predicted"  # the step-time model's seconds a step on this machine's profile
 STEP_TIME_ERROR = "model/step_time_error"  # its relative error against the framework's measured median step
 COMM_KIND_BYTES = "comm/{}_bytes_per_step"  # {} is an operation kind (all_reduce, send, boundary:activation, ...)

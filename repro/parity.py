@@ -48,6 +48,9 @@ SGD = {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "momentum": 0.9}
 # allow for non-deterministic reductions (fp32) and bf16's 8-bit mantissa over a loss of about 5.
 TOLERANCE = {("cpu", "fp32"): 1e-5, ("cuda", "fp32"): 1e-4, ("cuda", "bf16"): 5e-2}
 PASS, FAIL, MEASURED = "pass", "FAIL", "measured"
+# the settings that change what a rank holds (issue 39): the configurations that set one are the model check's
+# runs with settings (reports/model_check.md), beside the matrix's cells
+MEMORY_SETTINGS = ("train.recompute", "train.micro_batch", "torchgpipe.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -200,14 +203,37 @@ def compare(config: Config, recipe: Recipe, losses: list[float] | None, referenc
     return row
 
 
+def selected(workload: str, names: list[str] | None = None) -> list[Config]:
+    """The configurations named, else the workload's own set, else all but those of FOUR_GPUS."""
+    names = names or WORKLOAD_CONFIGS.get(workload)
+    return [c for c in CONFIGS if c.name in names] if names else [c for c in CONFIGS if c.name not in FOUR_GPUS]
+
+
+def setting_cells(workload: str, scale: str, extra: list[str] = ()) -> list[Cell]:
+    """The workload's configurations that train with a memory setting (MEMORY_SETTINGS), as cells of the
+    recipes `run_parity` trains them with: reports/model_check.md checks their counted runs against the
+    model (a framework not installed here: a skipped cell saying so)."""
+    cells = []
+    for config in selected(workload):
+        if not any(value.startswith(MEMORY_SETTINGS) for value in config.set):
+            continue
+        absence = registry.framework(config.framework).absence()
+        recipe, skip = None, f"unavailable here: {absence}" if absence else None
+        if not absence:
+            try:
+                recipe = recipe_for(config, workload, scale, STEPS, list(extra))
+            except RecipeError as error:
+                skip = f"not applicable: {error.problem}"
+        cells.append(Cell(workload, config.name, config.framework, config.gpus, recipe, skip))
+    return cells
+
+
 def run_parity(workload: str, scale: str, uri: str, experiment: str, steps: int = STEPS,
                names: list[str] | None = None, extra: list[str] = (), execute: bool = True,
                out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> list[Row]:
     """Train (unless `execute` is False) and compare every configuration; one Row each."""
-    names = names or WORKLOAD_CONFIGS.get(workload)
-    configs = [c for c in CONFIGS if c.name in names] if names else [c for c in CONFIGS if c.name not in FOUR_GPUS]
     rows, planned = [], []
-    for config in configs:
+    for config in selected(workload, names):
         absence = registry.framework(config.framework).absence()
         if absence:
             rows.append(Row(config.name, config.framework, config.gpus, f"unavailable here: {absence}",

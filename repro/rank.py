@@ -5,6 +5,7 @@ which sets the same (repro.warm); without MASTER_ADDR the process trains alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -13,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from repro.recipe import Recipe
+from repro import hardware
+from repro.recipe import Recipe, check
 
 
 def pick_device(recipe: Recipe, local_rank: int) -> torch.device:
@@ -21,6 +23,19 @@ def pick_device(recipe: Recipe, local_rank: int) -> torch.device:
     if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
+
+
+def resolve_precision(recipe: Recipe, device: torch.device) -> Recipe:
+    """The recipe with `train.precision: auto` decided for `device` (repro.hardware.automatic_precision) and
+    checked again as the parent checked it, so that a framework refusing what auto became (torch-pipeline
+    fp16 on a GPU without bf16) says so in its one line before anything is built; any other recipe as is."""
+    if recipe.train.precision != "auto":
+        return recipe
+    capability = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+    precision = hardware.automatic_precision(device.type, capability)
+    resolved = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision=precision))
+    check(resolved, f"{recipe.source} (train.precision auto -> {precision} on {device.type})")
+    return resolved
 
 
 def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int, int]:

@@ -47,7 +47,9 @@ class TrainSpec:
     batch_per_gpu: Annotated[int, AT_LEAST_1]
     optimizer: OptimizerSpec
     max_steps: Annotated[int, AT_LEAST_1] | None = None
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # auto: bf16 where the device computes in bf16, else fp16 (repro.hardware.automatic_precision), decided by
+    # each rank once its device is known (repro.rank.resolve_precision) and recorded as effective.precision
+    precision: Literal["fp32", "fp16", "bf16", "auto"] = "fp32"
     grad_clip: Annotated[float, POSITIVE] | None = None
     log_every: Annotated[int, AT_LEAST_1] = 1
     target_metric: float | None = None  # time-to-target threshold (accuracy: higher is better, perplexity: lower)

@@ -98,6 +98,7 @@ class Outcome:
     status: str  # FINISHED, FAILED or KILLED
     error: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # of the run as a whole: the model check (names.MODEL_CHECK)
 
 
 class RunFolder:

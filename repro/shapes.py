@@ -32,6 +32,9 @@ class GPT2Shape:
     seq_len: int
     vocab: int
     dropout: float = 0.0
+    # Whether attention with dropout runs SDPA's math path: PyTorch takes it on CPU, where its fused kernel
+    # takes no dropout (torch._fused_sdp_choice on CPU: flash at dropout 0, math at dropout > 0); costs.cell_of sets it
+    math_attention: bool = False
 
     @classmethod
     def from_model(cls, model: Any) -> "GPT2Shape":
@@ -72,11 +75,17 @@ class GPT2Shape:
         embedding its token ids and positions (int64); the head its layer norm's input and statistics, the
         projection's input and the loss's log-softmax (fp32: the loss upcasts), targets and total weight.
         With dropout, each nn.Dropout saves a mask of `mask` bytes per element of its input (the embedding's, and two per block:
-        after attention and after the MLP; attention's own dropout is inside SDPA and not modelled): the
-        smoke recipes have none, so this term is unchecked."""
+        after attention and after the MLP). Attention's own dropout is inside SDPA: its fused kernels keep
+        the logsumexp (h N elements) whether or not they drop (unchecked on GPUs); its math path
+        (`math_attention`) keeps instead the softmax's output, the dropout's noise (`mask` bytes an element)
+        and the dropped probabilities, batch x h x seq_len^2 elements each (aten's
+        _scaled_dot_product_attention_math: softmax, dropout as a product with the noise, a matmul with v)."""
         n, d = batch * self.seq_len, self.d_model
         masked = mask * n * d if self.dropout else 0
-        block = element * (16 * n * d + (4 + self.n_head) * n) + 2 * masked
+        attention = element * self.n_head * n
+        if self.dropout and self.math_attention:
+            attention = (2 * element + mask) * batch * self.n_head * self.seq_len**2
+        block = element * (16 * n * d + 4 * n) + attention + 2 * masked
         head = element * (2 * n * d + 2 * n) + 4 * n * self.vocab + INT64 * n + 4
         embedding = INT64 * (n + self.seq_len) + masked
         return [embedding, *([block] * (self.n_layer if layers is None else layers)), head]

@@ -244,12 +244,13 @@ class Run:
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
 
-    def log_values(self, values: dict[str, float]) -> None:
-        """Metrics of the run as a whole (one value each, step 0): the report's model check, say."""
-        from mlflow.entities import Metric
+    def log_values(self, values: dict[str, float], tags: dict[str, str] | None = None) -> None:
+        """Metrics of the run as a whole (one value each, step 0: the run's model check, say), and `tags`, in one call."""
+        from mlflow.entities import Metric, RunTag
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in values.items()],
+                              tags=[RunTag(k, v) for k, v in (tags or {}).items()])
 
     def delete_tags(self, keys: tuple[str, ...]) -> None:
         """Remove those of `keys` the run has (MLflow refuses to delete a tag that is not there)."""

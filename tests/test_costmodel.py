@@ -19,7 +19,7 @@ import torch
 
 import ranks
 from conftest import REPO, Repro
-from repro import events
+from repro import events, names
 from repro.model import costs, flops
 from repro.adapters.torch_pipeline import stage_starts
 from repro.model.predict import Fit
@@ -125,6 +125,8 @@ CELLS = {
     "ddp-2-recompute": ("ddp", 2, ["train.recompute=full"]), "ddp-2-micro": ("ddp", 2, ["train.micro_batch=2"]),
     "ddp-2-recompute2-micro": ("ddp", 2, ["train.recompute=full", "train.recompute_layers=2", "train.micro_batch=4"]),
     "ddp-2-vgg16-recompute-micro": ("ddp", 2, ["train.recompute=full", "train.micro_batch=4"], "vgg16"),
+    # with dropout, CPU attention runs SDPA's math path, which keeps its probabilities (GPT2Shape.math_attention)
+    "ddp-2-dropout-recompute-micro": ("ddp", 2, ["model.dropout=0.1", "train.recompute=full", "train.micro_batch=2"]),
     "torchgpipe-2-always": ("torchgpipe", 2, ["torchgpipe.checkpoint=always"]),
     # ZeRO: stage 1 reduces once at the accumulation boundary; stage 2 every micro-batch, keeping the partition's
     # accumulated gradients beside; stage 3 gathers and reduces every micro-batch
@@ -132,6 +134,9 @@ CELLS = {
     "zero1-2-micro": ("zero", 2, ["zero.stage=1", "train.micro_batch=2"]),
     "zero3-2-micro": ("zero", 2, ["zero.stage=3", "train.micro_batch=2"]),
     "zero-4-micro": ("zero", 4, ["train.micro_batch=4"]), "zero3-2-recompute": ("zero", 2, ["zero.stage=3", "train.recompute=full"]),
+    # fp16 (issue 39): DeepSpeed's own fp16 mode keeps the module, its gradients and their reductions in fp16
+    # (2 bytes an element; costs.deepspeed_element), the master partition and Adam's moments in fp32
+    "zero-2-fp16": ("zero", 2, ["train.precision=fp16"]), "zero3-2-fp16": ("zero", 2, ["zero.stage=3", "train.precision=fp16"]),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
 # counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.
@@ -204,6 +209,59 @@ def test_a_bucket_size_and_a_tp_degree_move_both_sides(shared_repro, checked):
     assert tp2[0].model_state != tp4[0].model_state and tp2[1]["model_state"] != tp4[1]["model_state"]
     assert tp2[0].comm_bytes != tp4[0].comm_bytes and tp2[1]["comm"] != tp4[1]["comm"]
     assert tp2[0].activations != tp4[0].activations and tp2[1]["activations"] != tp4[1]["activations"]
+
+
+# -- every run checks itself (issue 39) ----------------------------------------------------------------
+# A shape of a user's own (2 blocks, d_model 48, 6 heads, 40 tokens), the first block recomputed, 2 micro-batches a rank
+OWN_SHAPE = ["model.n_layer=2", "model.d_model=48", "model.n_head=6", "model.seq_len=40", "train.recompute=full",
+             "train.recompute_layers=1", "train.micro_batch=2", VALIDATION]
+
+
+@pytest.mark.end_to_end
+def test_a_run_checks_the_model_against_its_own_counters_and_says_so(repro, monkeypatch):
+    """`repro run` of that shape ends with the model check's line, and its MLflow run holds the model's
+    figures (those of the recipe it ran) and their errors, within the bounds. The same run's check with a
+    model 25% off in activations says so, past the bound; a framework without a model says why."""
+    from repro.model import check
+    from repro.run.follower import self_check
+    from repro.runfiles import Outcome, RunFolder
+    from repro.tracking import client
+
+    result = repro("run", "gpt2", "--framework", "ddp", "--gpus", "2", "--scale", "smoke", "--max-steps", str(STEPS),
+                   *[arg for value in OWN_SHAPE for arg in ("--set", value)], timeout=LAUNCH_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = RunFolder(result.run_dir)
+    run = client(repro.tracking_uri).get_run(folder.read_spec().mlflow_run_id)
+    (start,) = [e for e in result.events() if e["event"] == events.START]
+    modelled = costs.predict(costs.cell_of(folder.recipe(), start["adapter"]))
+    assert folder.recipe().train.micro_batch == 2 and modelled.activations > 0
+    metric = lambda quantity, kind: run.data.metrics[names.MODEL_CHECK.format(quantity, kind)]
+    assert [metric(q, "bytes") for q in costs.BOUNDS] == [modelled.model_state, modelled.activations, modelled.comm_bytes]
+    errors = [metric(q, "error") for q in costs.BOUNDS]
+    assert all(0 <= error <= bound for error, bound in zip(errors, costs.BOUNDS.values())), errors
+    line = (f"model check: model state {errors[0]:.2%} (bound 1%), activations {errors[1]:.2%} (bound 5%), "
+            f"communication {errors[2]:.2%} (bound 1%)")
+    assert line in result.stdout.splitlines() and run.data.tags[names.MODEL_CHECK_LINE] == line
+
+    last = {e["event"]: e for e in result.events()}
+    off = dataclasses.replace(modelled, activations=modelled.activations * 5 // 4)
+    monkeypatch.setattr(check.costs, "predict", lambda cell: off)
+    said, outcome = [], Outcome("FINISHED")
+    self_check(outcome, folder, last, said.append)
+    measured = costs.measured_of(last[events.EPOCH]["ranks"])["activations"]
+    error = outcome.metrics[names.MODEL_CHECK.format("activations", "error")]
+    assert error == abs(measured - off.activations) / off.activations > costs.BOUNDS["activations"]
+    assert f"activations {error:.2%} (bound 5%: OUT OF BOUND)" in said[0]
+    monkeypatch.undo()
+
+    spec = folder.read_spec()
+    spec.recipe = load_file(recipe_path("vgg16", "smoke"), ["run.framework=lbann"]).to_dict()
+    folder.write_spec(spec)
+    said, outcome = [], Outcome("FINISHED")
+    self_check(outcome, folder, last, said.append)
+    assert said == ["model check: not modelled: no cost model for 'lbann'; modelled: ddp, zero, fsdp, megatron, "
+                    "torchgpipe, torch-pipeline, pipedream"]
+    assert outcome.metrics == {} and outcome.tags[names.MODEL_CHECK_LINE] == said[0]
 
 
 # -- refused before launch ----------------------------------------------------------------------------

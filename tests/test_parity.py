@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import mlflow_runs
+from repro import names
+from repro.model import costs
 from repro.parity import CONFIGS, GLOBAL_BATCH, Config, Row, compare, control_for, recipe_for
 
 # Loaded by every Python process whose path starts with the folder holding it (sitecustomize): in
@@ -101,6 +104,13 @@ def test_recompute_changes_no_bit_and_micro_batches_stay_within_1e6(repro, tmp_p
     rows = {row["name"]: row for row in json.loads((tmp_path / "reports" / "parity.json").read_text())["rows"]}
     assert rows["ddp-2-recompute-dropout"]["max_abs_diff"] == 0.0 and rows["ddp-2-recompute-dropout"]["status"] == "pass"
     assert rows["ddp-2-micro"]["max_abs_diff"] <= 1e-6 and rows["ddp-2-micro"]["status"] == "pass"
+    # each run (the two, their controls, the reference) checked the cost model against its counters, its
+    # communication counted though it is shorter than the warm-up: every error within its bound (dropout included)
+    runs = mlflow_runs(repro.tracking_uri, "parity-smoke")
+    assert len(runs) == 4
+    for run in runs:
+        errors = [run.data.metrics[names.MODEL_CHECK.format(quantity, "error")] for quantity in costs.BOUNDS]
+        assert all(error <= bound for error, bound in zip(errors, costs.BOUNDS.values())), (run.info.run_name, errors)
 
 
 @pytest.mark.units

@@ -76,6 +76,33 @@ def record(uri: str, cell: Cell) -> None:
         tracking.Run.create(uri, "table2-test", cell.label, tags, {}).end("KILLED")
 
 
+# the parity runs with memory settings (repro.parity.setting_cells): each recorded with the model's own figures,
+# but this one with activations 20% above the model's, which its row must flag
+SETTING_OFF = "gpt2 ddp-2-recompute 2g"
+PARITY_EXPERIMENT = "parity-test"
+
+
+def setting_cells() -> list[Cell]:
+    from repro import parity
+
+    return [cell for workload in ("gpt2", "vgg16") for cell in parity.setting_cells(workload, "smoke")]
+
+
+def record_setting_run(uri: str, cell: Cell) -> None:
+    """A finished parity run of `cell` whose counters show the model's figures (SETTING_OFF's activations 20% more)."""
+    from repro.model import costs
+
+    modelled = costs.predict(costs.cell_of(cell.recipe))
+    activations = modelled.activations * 6 // 5 if cell.label == SETTING_OFF else modelled.activations
+    ranks = [{"rank": r, "peak_bytes": 900 * MIB, "method": "cpu_peak_rss", "parameters": modelled.model_state,
+              "gradients": 0, "optimizer": 0, "activation_peak_bytes": activations,
+              "comm": {"bytes": modelled.comm, "calls": {kind: 1 for kind in modelled.comm}}} for r in range(cell.gpus)]
+    run = tracking.Run.create(uri, PARITY_EXPERIMENT, cell.label, {names.RECIPE_SHA256: cell.recipe.fingerprint()}, {})
+    run.log_events([{"event": events.EPOCH, "wall": 1.0e9, "epoch": 0, "epoch_s": 1.0, "elapsed_s": 1.0,
+                     "samples_per_s": 32.0, "val": {}, "ranks": ranks}])
+    run.end("FINISHED")
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("report")
@@ -86,7 +113,12 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
             record(uri, cell)
     (folder / "reports").mkdir()
     (folder / "reports" / "parity.json").write_text(json.dumps({"rows": PARITY}))
-    write_reports(matrix, uri, "table2-test", folder / "reports", "smoke", cores=CORES)
+    with_settings = setting_cells()
+    for cell in with_settings:
+        if cell.recipe and cell.row != "ddp-2-recompute-dropout":  # left unrun: its row says so
+            record_setting_run(uri, cell)
+    write_reports(matrix, uri, "table2-test", folder / "reports", "smoke", cores=CORES,
+                  with_settings=(with_settings, PARITY_EXPERIMENT))
     return folder / "reports"
 
 
@@ -208,8 +240,39 @@ def test_communication_and_the_cost_model_check_are_reported(report: Path) -> No
     assert (state["measured"], state["modelled"]) == (8 * MIB, modelled.model_state) and state["within"] is False
     assert (comm["measured"], comm["modelled"]) == (4 * MIB, modelled.comm_bytes)
     assert "| gpt2 ddp 4g | model_state | 8,388,608 |" in (report / "model_check.md").read_text()
-    run = tracking.client(f"sqlite:///{report.parent}/mlflow.db").get_run(checked["gpt2 ddp 4g"]["run_id"])
-    assert run.data.metrics[names.MODEL_CHECK.format("model_state", "bytes")] == modelled.model_state
+
+
+def test_the_model_check_has_a_row_per_parity_run_with_memory_settings(report: Path) -> None:
+    """The parity runs that recompute or accumulate micro-batches, each quantity's counted and modelled bytes,
+    error and verdict, their settings named; the one recorded 20% off in activations is flagged, the one
+    without a run says so."""
+    from repro.model import costs
+
+    cells = {cell.row: cell for cell in setting_cells() if cell.workload == "gpt2"}
+    assert {"ddp-2-micro", "ddp-2-recompute", "zero-2-micro", "zero-2-recompute", "torchgpipe-2-always"} <= set(cells)
+    checked = {c["cell"]: c for c in json.loads((report / "model_check.json").read_text()) if "settings" in c}
+    assert set(checked) == {cell.label for cell in setting_cells()}
+    micro = checked["gpt2 ddp-2-micro 2g"]
+    modelled = costs.predict(costs.cell_of(cells["ddp-2-micro"].recipe))
+    assert micro["settings"] == "recompute none, 2 micro-batches of 2"
+    assert [(r["measured"], r["modelled"], r["error"], r["within"]) for r in micro["rows"]] == [
+        (modelled.model_state, modelled.model_state, 0.0, True), (modelled.activations, modelled.activations, 0.0, True),
+        (modelled.comm_bytes, modelled.comm_bytes, 0.0, True)]
+
+    off = checked[SETTING_OFF]
+    modelled = costs.predict(costs.cell_of(cells["ddp-2-recompute"].recipe)).activations
+    (activations,) = [r for r in off["rows"] if r["quantity"] == "activations"]
+    assert off["settings"] == "recompute full, 1 micro-batch"
+    assert activations["measured"] == modelled * 6 // 5 and activations["modelled"] == modelled
+    assert activations["error"] == (modelled * 6 // 5 - modelled) / modelled > 0.05 and activations["within"] is False
+    assert checked["gpt2 ddp-2-recompute-dropout 2g"]["why"] == "no finished run (missing) no run in MLflow for this recipe"
+
+    text = (report / "model_check.md").read_text()
+    section = text[text.index("## Runs with memory settings"):]
+    assert (f"| {SETTING_OFF} | recompute full, 1 micro-batch | activations | {modelled * 6 // 5:,} | "
+            f"{modelled:,} | {activations['error']:.2%} | **no** |") in section
+    assert f"| gpt2 ddp-2-micro 2g | recompute none, 2 micro-batches of 2 | comm | {int(micro['rows'][2]['measured']):,} |" in section
+    assert section.count("**no**") == 1
 
 
 def test_figures_are_written(report: Path) -> None:

@@ -103,11 +103,10 @@ def test_pipeline_recipe_errors_print_the_arithmetic() -> None:
 
 
 @pytest.mark.units
-def test_fsdp_recipe_checks_hybrid_replicas_and_precision() -> None:
+def test_fsdp_recipe_checks_hybrid_replicas_and_takes_fp16() -> None:
     with pytest.raises(RecipeError, match=r"fsdp.replicas: .* 6 % 4 = 2"):
         smoke("fsdp", "run.gpus=6", "fsdp.sharding=hybrid", "fsdp.replicas=4")
-    with pytest.raises(RecipeError, match="train.precision: fsdp runs fp32 or bf16"):
-        smoke("fsdp", "train.precision=fp16")
+    assert smoke("fsdp", "train.precision=fp16").train.precision == "fp16"  # loss-scaled (issue 39)
     assert smoke("fsdp", "run.gpus=4", "fsdp.sharding=hybrid").options().replicas == 2
 
 

@@ -115,6 +115,7 @@ def test_both_workloads_at_once_arrive_exactly_once(served: Repro, tracking_serv
     assert {k: params[k] for k in params if k.startswith("effective.")} == {
         "effective.optimizer": "adam", "effective.lr": "0.001", "effective.weight_decay": "0.01",
         "effective.global_batch": "8", "effective.micro_batches": "1", "effective.recompute": "none",
+        "effective.precision": "fp32",  # what the ranks trained with (train.precision auto: decided there)
     }
     assert "train.optimizer.name" not in params
 

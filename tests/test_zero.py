@@ -156,8 +156,10 @@ def test_arithmetic_settings_reach_deepspeed_explicitly(grad_clip: float | None,
     config = ZeroAdapter(RunContext(recipe, None, 0, 1, 0, torch.device("cpu"))).deepspeed_config()
     assert config["gradient_clipping"] == (grad_clip or 0.0)
     autocast = config.get("torch_autocast", {"enabled": False})
-    assert autocast["enabled"] == (precision != "fp32")
-    assert autocast.get("dtype") == {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}[precision]
+    assert autocast["enabled"] == (precision == "bf16")  # fp16: DeepSpeed's own mode, dynamically loss-scaled
+    assert autocast.get("dtype") == {"fp32": None, "bf16": "bfloat16", "fp16": None}[precision]
+    fp16 = config.get("fp16", {"enabled": False})
+    assert fp16["enabled"] == (precision == "fp16") and fp16.get("loss_scale", 0) == 0
     assert config["zero_optimization"]["reduce_bucket_size"] == recipe.options().reduce_bucket_size
 
 

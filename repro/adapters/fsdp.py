@@ -12,7 +12,9 @@ cost"): VGG-16's 16 layers with parameters were 16 units before, now 8.
 Recipe section `fsdp:` chooses the sharding strategy (full: reshard after forward, ZeRO-3;
 grad-op: keep parameters gathered from forward to backward, ZeRO-2-like traffic; hybrid: shard
 within groups of gpus/replicas ranks and replicate across the groups, HSDP) and the dtype of the
-gradient reduction; parameters compute in train.precision.
+gradient reduction; parameters compute in train.precision. fp16 scales the loss dynamically
+(`loss_scaler`: torch's ShardedGradScaler, which unscales the DTensor gradient shards and agrees
+on an overflow over all ranks, skipping the step everywhere).
 
 Checkpoints are PyTorch's distributed checkpoint (`torch.distributed.checkpoint`), as FSDP2's users
 write them: the sharded state dicts of model and optimizer (DTensors), every rank writing its own
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from repro.adapters.base import Adapter, parameter_users
@@ -71,6 +74,21 @@ class FSDPAdapter(FSDPPlan, Adapter):
         # foreach takes a few operations for all of them. Same arithmetic, bit for bit (docs/measurement.md
         # "FSDP's cost"); not for timm's LAMB, whose foreach path rounds differently (repro.optim).
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters(), foreach=True)
+        self.scaler = self.loss_scaler()
+
+    def loss_scaler(self) -> Any:
+        """fp16's dynamic loss scaling (a pass-through under fp32 and bf16): torch's ShardedGradScaler
+        (torch/distributed/fsdp/sharded_grad_scaler.py), whose unscale_ all-reduces the found-inf flag over
+        every rank, so that the step is skipped and the scale halved on all ranks or on none, whichever shard
+        overflowed; it unscales FSDP2's DTensor gradients through DTensor's dispatch, which reduces the flag
+        over the mesh too (torch/distributed/tensor/_dispatch.py, found_inf_reduce_handler). A process alone
+        has no group to agree with: torch's GradScaler."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        enabled = self.ctx.recipe.train.precision == "fp16"
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return ShardedGradScaler(self.ctx.device.type, enabled=enabled, process_group=dist.group.WORLD)
+        return torch.amp.GradScaler(self.ctx.device.type, enabled=enabled)
 
     def facts(self) -> dict[str, Any]:
         """The units below the root, each as the types of its layers with parameters."""
@@ -106,9 +124,11 @@ class FSDPAdapter(FSDPPlan, Adapter):
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.ctx.workload.loss(self.model(inputs), targets)
-        loss.backward()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
         self.clip_gradients(self.model.parameters())
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         return self.shard_loss(loss)
 
     def model_state_bytes(self) -> dict[str, int]:
@@ -125,7 +145,7 @@ class FSDPAdapter(FSDPPlan, Adapter):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optimizer}
+        return {"model": model, "optimizer": optimizer, "scaler": self.scaler.state_dict()}  # fp16's scale (else empty)
 
     def save_checkpoint(self, folder: Path) -> None:
         """Every rank writes its shards (plus rank 0 the replicated entries) with torch.distributed.checkpoint."""
@@ -141,3 +161,4 @@ class FSDPAdapter(FSDPPlan, Adapter):
         state = self.sharded_state()
         dcp.load(state, checkpoint_id=folder / CHECKPOINT_FOLDER)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])

@@ -24,11 +24,6 @@ class FSDPPlan(FrameworkPlan):
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:
         options = recipe.options()
-        if recipe.train.precision == "fp16":
-            raise RecipeError(
-                source, "train.precision",
-                "fsdp runs fp32 or bf16 (fp16 would need loss scaling of sharded gradients); use bf16",
-            )
         gpus = recipe.run.gpus
         if options.sharding == "hybrid" and (options.replicas < 2 or gpus % options.replicas):
             raise RecipeError(

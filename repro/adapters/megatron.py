@@ -15,13 +15,18 @@ Two paths, recorded on the run (`pieces`, MLflow's `effective.*`):
   NVIDIA/Megatron-LM: GPTModel, then DistributedDataParallel, backward, finalize_model_grads, step):
   Transformer Engine's layer spec where it is installed (the local spec otherwise), megatron-core's
   DistributedDataParallel (contiguous gradient buffers, gradient all-reduce overlapped with the
-  backward pass) and `get_megatron_optimizer`, optionally the distributed optimizer; bf16 through
-  megatron-core's Float16Module and its fp32 main parameters.
+  backward pass) and `get_megatron_optimizer`, optionally the distributed optimizer; bf16 and fp16 through
+  megatron-core's Float16Module and its fp32 main parameters, fp16 with the optimizer's dynamic loss scale
+  (optimizer/grad_scaler.py, DynamicGradScaler: get_megatron_optimizer makes one for fp16 without a
+  fixed loss_scale; its found-inf flag is all-reduced over the model-parallel group, optimizer.py
+  `_unscale_main_grads_and_check_for_nan`) and the loss scaled by `optimizer.scale_loss`, as Megatron's
+  schedules scale it (`config.grad_scale_func`). Not yet run on a GPU.
 - CPU: the local layer spec with the adaptations of repro/adapters/megatron_cpu.py (megatron-core
   hard-codes CUDA there). megatron-core's DistributedDataParallel and optimizer allocate on CUDA
   unconditionally (distributed/param_and_grad_buffer.py, optimizer/optimizer.py), so this adapter
   averages gradients over the dp group itself (one flattened all-reduce per step) and steps torch's
-  optimizer, which is what megatron-core falls back to without Apex or Transformer Engine.
+  optimizer, which is what megatron-core falls back to without Apex or Transformer Engine. fp32 only
+  (MegatronPlan.check_device says why).
 """
 from __future__ import annotations
 
@@ -82,6 +87,7 @@ class MegatronAdapter(MegatronPlan, Adapter):
 
         ctx, tp = self.ctx, self.options.tp
         self.on_gpu = ctx.device.type == "cuda"
+        self.check_device(ctx.recipe, ctx.recipe.source, ctx.device.type)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, distributed_timeout_minutes=math.ceil(ctx.recipe.run.timeout_s / 60),
         )
@@ -97,8 +103,9 @@ class MegatronAdapter(MegatronPlan, Adapter):
         self.dropout_streams()
 
         spec, self.layer_spec = ctx.workload.spec, layer_spec_name(self.on_gpu)
-        self.megatron_bf16 = self.on_gpu and ctx.recipe.train.precision == "bf16"
-        gpt = build_gpt_model(spec, tp, self.layer_spec, self.megatron_bf16)
+        precision = ctx.recipe.train.precision
+        self.megatron_half = precision if self.on_gpu and precision in ("bf16", "fp16") else None
+        gpt = build_gpt_model(spec, tp, self.layer_spec, self.megatron_half)
         copy_weights(gpt, megatron_weights(model, spec, tp), tp_rank, tp)
         self.gpt = gpt.to(ctx.device)
         padding = torch.arange(padded_vocab(spec.vocab_size, tp)).chunk(tp)[tp_rank] >= spec.vocab_size
@@ -133,7 +140,7 @@ class MegatronAdapter(MegatronPlan, Adapter):
         from megatron.core.transformer.module import Float16Module
 
         config, wanted = gpt.config, self.ctx.recipe.optimizer()
-        module = Float16Module(config, gpt) if self.megatron_bf16 else gpt
+        module = Float16Module(config, gpt) if self.megatron_half else gpt
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True,
             use_distributed_optimizer=self.options.distributed_optimizer,
@@ -142,7 +149,8 @@ class MegatronAdapter(MegatronPlan, Adapter):
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="sgd" if wanted.name == "sgd" else "adam", lr=wanted.lr, weight_decay=wanted.weight_decay,
             decoupled_weight_decay=wanted.name == "adamw", adam_beta1=wanted.betas[0], adam_beta2=wanted.betas[1],
-            adam_eps=wanted.eps, sgd_momentum=wanted.momentum, bf16=self.megatron_bf16,
+            adam_eps=wanted.eps, sgd_momentum=wanted.momentum, bf16=self.megatron_half == "bf16",
+            fp16=self.megatron_half == "fp16",
             params_dtype=config.params_dtype, use_distributed_optimizer=self.options.distributed_optimizer,
             clip_grad=self.ctx.recipe.train.grad_clip or 0.0,
         ), [model])
@@ -173,19 +181,21 @@ class MegatronAdapter(MegatronPlan, Adapter):
         if self.on_gpu:
             self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        # megatron-core's bf16 is Float16Module's bf16 weights (fp32 main copies in the optimizer), not autocast
-        autocast = contextlib.nullcontext() if self.megatron_bf16 else self.autocast()
+        # megatron-core's bf16 and fp16 are Float16Module's 16-bit weights (fp32 main copies in the optimizer), not autocast
+        autocast = contextlib.nullcontext() if self.megatron_half else self.autocast()
         with self.shared_rng.fork(), autocast:
             loss = vocab_parallel_cross_entropy(self.logits(inputs).float(), targets).mean()
-        loss.backward()
         if self.on_gpu:
             from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
+            self.optimizer.scale_loss(loss).backward()  # fp16: by the optimizer's loss scale; else by 1
             finalize_model_grads([self.model])  # waits for the overlapped all-reduce; clipping is the optimizer's
+            self.optimizer.step()  # fp16: skipped, on every rank, where a gradient overflowed
         else:
+            loss.backward()
             self.average_gradients()
             self.clip_gradients(self.model.parameters())
-        self.optimizer.step()
+            self.optimizer.step()
         return self.shard_loss(loss)
 
     def average_gradients(self) -> None:
@@ -243,7 +253,7 @@ class MegatronAdapter(MegatronPlan, Adapter):
             return super().model_state_bytes()
         optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         held = [t for o in optimizers for state in o.optimizer.state.values() for t in state.values()]
-        if self.megatron_bf16 or self.options.distributed_optimizer:  # fp32 main parameters beside the model's
+        if self.megatron_half or self.options.distributed_optimizer:  # fp32 main parameters beside the model's
             held += [p for o in optimizers for group in o.optimizer.param_groups for p in group["params"]]
         return {"parameters": tensor_bytes(self.gpt.parameters()),
                 "gradients": tensor_bytes(b.grad_data for b in self.model.buffers),

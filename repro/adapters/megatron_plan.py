@@ -46,13 +46,21 @@ class MegatronPlan(FrameworkPlan):
                 f"megatron-core's optimizers are {', '.join(MEGATRON_OPTIMIZERS)}, not {recipe.optimizer().name} "
                 "(LAMB's per-tensor trust ratio would be taken per shard); set megatron.optimizer",
             )
-        if recipe.train.precision == "fp16":
-            raise RecipeError(
-                source, "train.precision",
-                "fp16 needs a loss scale agreed over the tp group: megatron-core's grad scaler has one on GPUs, "
-                "but the CPU path steps torch's optimizer without one, and the GPU path's fp16 is untested; "
-                "use bf16 or fp32",
-            )
+        if recipe.run.device == "cpu":
+            cls.check_device(recipe, source, "cpu")
+
+    @classmethod
+    def check_device(cls, recipe: Recipe, source: str, device_type: str) -> None:
+        """16-bit runs on GPUs only (the parent checks run.device=cpu; a rank, the device auto became).
+
+        megatron-core's tensor-parallel linear layers are autograd functions whose autocast decorators name
+        CUDA (megatron/core/tensor_parallel/layers.py: custom_fwd and custom_bwd with device_type="cuda"), so
+        under CPU autocast their backward multiplies a 16-bit gradient by fp32 weights and fails; on GPUs the
+        adapter trains 16-bit through Float16Module instead of autocast (repro.adapters.megatron)."""
+        if device_type == "cpu" and recipe.train.precision in ("fp16", "bf16", "auto"):  # auto: bf16 on a CPU
+            raise RecipeError(source, "train.precision",
+                              f"megatron's CPU path runs fp32, not {recipe.train.precision}: megatron-core's linear "
+                              "layers autocast on CUDA only (tensor_parallel/layers.py); use fp32 on CPU")
 
     @classmethod
     def variant(cls, recipe: Recipe) -> str:

@@ -85,7 +85,8 @@ class TorchPipelinePlan(FrameworkPlan):
                               f"(torch.distributed.pipelining.{SCHEDULES[options.schedule]} came with torch "
                               f"{'.'.join(map(str, SINCE[options.schedule]))})")
         if recipe.train.precision == "fp16":
-            raise RecipeError(source, "train.precision", "torch-pipeline runs fp32 or bf16 (no loss scaling across stages); use bf16")
+            raise RecipeError(source, "train.precision", "torch-pipeline runs fp32 or bf16 (no loss scaling across stages); "
+                              "use bf16, or fp32 on GPUs without bf16")
         stages = cls.check_stages(recipe, source)
         cls.check_microbatches(recipe, source, stages)
 

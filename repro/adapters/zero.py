@@ -8,9 +8,10 @@ and each step is the engine's own forward, backward and step. DeepSpeed picks it
 (CUDA, or its CPU accelerator with gloo) by itself and joins the loop's process group.
 
 Every setting that changes the arithmetic comes from the recipe: gradient clipping from
-train.grad_clip (0 when null: DeepSpeed 0.19 defaults `gradient_clipping` to 1.0), precision
-from train.precision through DeepSpeed's torch_autocast (the autocast and GradScaler DDP uses,
-rather than DeepSpeed's fp16/bf16 modes, which train a half-precision copy of the model), bucket
+train.grad_clip (0 when null: DeepSpeed 0.19 defaults `gradient_clipping` to 1.0), bf16
+from train.precision through DeepSpeed's torch_autocast (the autocast DDP uses, fp32 weights, rather
+than DeepSpeed's bf16 mode, which trains a half-precision copy of the model), fp16 through DeepSpeed's
+own `fp16` mode with dynamic loss scaling (FP16_CONFIG; why not autocast: FP16_CONFIG's comment), bucket
 sizes from the `zero:` section. The resolved DeepSpeed configuration is written to the run folder
 (CONFIG_FILE) and recorded with the run. What the model-state count includes: docs/memory.md.
 
@@ -45,7 +46,16 @@ from repro.optim import make_optimizer
 
 CONFIG_FILE = "deepspeed_config.json"
 CHECKPOINT_TAG = "zero"  # the subfolder of a loop checkpoint that holds DeepSpeed's files
-AUTOCAST_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+# fp16: DeepSpeed's own mode, as its fp16 users train (deepspeed/runtime/precision_config.py,
+# DeepSpeedFP16Config): the model in fp16, fp32 master weights in the ZeRO optimizer, and dynamic loss
+# scaling (loss_scale 0) by runtime/fp16/loss_scaler.py's DynamicLossScaler: an overflow anywhere skips
+# the step on every rank and halves the scale; loss_scale_window steps without one double it. Not
+# torch_autocast with float16: DeepSpeed 0.19 gives that a GradScaler only without ZeRO
+# (runtime/engine.py, `torch_autocast_z0_gradscaler`), so under ZeRO its gradients would go unscaled.
+# auto_cast casts floating inputs (VGG-16's images) to the model's fp16. The rest are DeepSpeed's defaults.
+FP16_CONFIG = {"enabled": True, "auto_cast": True, "loss_scale": 0, "initial_scale_power": 16,
+               "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+AUTOCAST_DTYPES = {"bf16": "bfloat16"}
 # Model state peaks from the second step on (the optimizer allocates its state in the first); counting
 # only the first steps keeps the count's cost (milliseconds under stage 3) out of later timed steps.
 COUNTED_STEPS = 3
@@ -70,6 +80,8 @@ class ZeroAdapter(ZeroPlan, Adapter):
             },
             "steps_per_print": 2**31 - 1,
         }
+        if recipe.train.precision == "fp16":
+            config["fp16"] = FP16_CONFIG
         if recipe.train.precision in AUTOCAST_DTYPES:
             config["torch_autocast"] = {"enabled": True, "dtype": AUTOCAST_DTYPES[recipe.train.precision]}
         return config

@@ -4,6 +4,7 @@
     costs      bytes held and sent by the data- and tensor-parallel frameworks; the front (predict, compare)
     pipelines  the same for torchgpipe, PyTorch's pipeline schedules and PipeDream, stage by stage
     predict    the model over the Table 2 matrix's recipes: `repro predict`, --fit, the paper-scale figures
+    check      a run's counters against the model: what every run logs at its end, and reports/model_check's rows
 
 Its derivations are in docs/memory.md; tests/test_costmodel.py and reports/model_check.* hold it
 against the counters.

@@ -25,6 +25,7 @@ import importlib.util
 import math
 from typing import TYPE_CHECKING, Any
 
+from repro.hardware import automatic_precision
 from repro.model.pipelines import busiest, pipedream, torch_pipeline, torchgpipe
 from repro.names import FLOP_PHASES
 from repro.model.terms import ACTIVATION_ELEMENT, FP32, Cell, Prediction, activations, optimizer_bytes
@@ -83,15 +84,29 @@ def zero(cell: Cell) -> Prediction:
     psi, count = parameters(cell.shape), tensor_count(cell.shape)
     part = zero_partition(psi, n)
     bucket = min(cell.option("reduce_bucket_size", 500_000_000), psi)
-    grads = FP32 * (psi if stage == 1 else part + straddling(cell.shape, part, n) + held_whole(cell.shape, bucket))
-    grads += FP32 * bucket + FP32
+    w = deepspeed_element(cell)
+    grads = w * (psi if stage == 1 else part + straddling(cell.shape, part, n) + held_whole(cell.shape, bucket))
+    grads += w * bucket + FP32
     if stage == 2 and k > 1:
-        grads += FP32 * (part + straddling(cell.shape, part, n))  # the accumulated gradients of the partition's parameters
+        grads += w * (part + straddling(cell.shape, part, n))  # the accumulated gradients of the partition's parameters
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
-    comm = {"all_reduce": FP32 * psi * (k if stage == 2 else 1) + FP32}
+    comm = {"all_reduce": w * psi * (k if stage == 2 else 1) + FP32 + overflow_flag(cell)}
     if n > 1:
-        comm["all_gather"] = FP32 * part
-    return Prediction(FP32 * part * n, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
+        comm["all_gather"] = w * part
+    return Prediction(w * part * n, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
+
+
+def deepspeed_element(cell: Cell) -> int:
+    """Bytes of a weight and a gradient element under DeepSpeed: fp16 trains in DeepSpeed's own fp16 mode
+    (repro.adapters.zero: the module in fp16, gradients reduced in fp16, the fp32 master partition in
+    the optimizer, as the ZeRO paper's 2 + 2 + K bytes a parameter); fp32 and bf16 (autocast) keep fp32."""
+    return 2 if cell.precision == "fp16" else FP32
+
+
+def overflow_flag(cell: Cell) -> int:
+    """fp16's dynamic loss scale: DeepSpeed all-reduces a 1-byte overflow flag over the ranks every step
+    (zero/stage_1_and_2.py and zero/stage3.py, `has_overflow`), so that all skip the step or none does."""
+    return 1 if cell.precision == "fp16" else 0
 
 
 ZERO3_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance (elements), which the adapter leaves as is
@@ -118,8 +133,9 @@ def zero3(cell: Cell) -> Prediction:
     n = cell.gpus
     part, count = flat_sharded(cell.shape, n), tensor_count(cell.shape)
     layers = cell.shape.layer_tensors()
-    weights = FP32 * (part + (sum(layers[0]) if n > 1 else 0))  # one rank: the gathered tensor is the partition
-    grads = FP32 * (part + cell.option("reduce_bucket_size", 500_000_000)) + 1 + 8
+    w = deepspeed_element(cell)
+    weights = w * (part + (sum(layers[0]) if n > 1 else 0))  # one rank: the gathered tensor is the partition
+    grads = w * (part + cell.option("reduce_bucket_size", 500_000_000)) + 1 + 8
     optimizer = FP32 * part + optimizer_bytes(cell, part, 1)
     regathered, later = 0, sum(sum(layer) for layer in layers)
     for layer in layers:
@@ -127,9 +143,9 @@ def zero3(cell: Cell) -> Prediction:
         if 2 * later >= ZERO3_REUSE_DISTANCE:
             regathered += sum(-(-numel // n) for numel in layer)
     k = cell.accumulation_steps  # every micro-batch gathers the partitions and reduce-scatters its gradients
-    comm = {"all_reduce": k * FP32 * n * part + 8}
+    comm = {"all_reduce": k * w * n * part + 8 + overflow_flag(cell)}
     if n > 1:
-        comm["all_gather"] = k * FP32 * (part + regathered)
+        comm["all_gather"] = k * w * (part + regathered)
     return Prediction(weights, grads, optimizer, activations(cell, cell.batch_per_gpu), comm)
 
 
@@ -305,9 +321,10 @@ def wire_bytes(kind: str, payload: int, group: int) -> float:
     return float(payload)
 
 
-def cell_of(recipe: Any, facts: dict[str, Any] | None = None) -> Cell:
+def cell_of(recipe: Any, facts: dict[str, Any] | None = None, capability: int | None = None) -> Cell:
     """The model's view of a resolved recipe (repro.recipe.Recipe); `facts`: what the adapter decided at
-    setup (the start event's `adapter`: torchgpipe's computed balance), where the recipe leaves it open."""
+    setup (the start event's `adapter`: torchgpipe's computed balance), where the recipe leaves it open;
+    `capability`: the GPU's compute capability, which decides train.precision auto (unknown: bf16)."""
     options = recipe.options()
     section = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
     section["grad_clip"] = recipe.train.grad_clip
@@ -317,10 +334,13 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None) -> Cell:
         section["balance"] = facts["balance"]
     shape = shape_of(recipe.workload, recipe.model, recipe.data.dataset)
     device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and recipe.scale == "paper") else "cpu"
+    if isinstance(shape, GPT2Shape):
+        shape = dataclasses.replace(shape, math_attention=device == "cpu")
     train = recipe.train
     recomputed = Cell.recomputed_blocks(shape, train.recompute, train.recompute_layers)
+    precision = automatic_precision(device, capability) if train.precision == "auto" else train.precision
     return Cell(shape, recipe.run.framework, recipe.run.gpus, train.batch_per_gpu, optimizer.name,
-                train.precision, section, device, train.micro_batch, recomputed)
+                precision, section, device, train.micro_batch, recomputed)
 
 
 def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -13,9 +13,15 @@ from typing import Any, Sequence
 import yaml
 
 from repro import registry
+from repro.hardware import automatic_precision, capability_of
 from repro.model import costs
 from repro.recipe import recipe_path
 from repro.shapes import shape_of
+
+
+# A recipe's `train.precision: auto` is predicted as it trains on the paper's V100 (Lassen's, the smaller of its
+# GPUs): fp16, whose 2-byte activations are bf16's too, and under ZeRO DeepSpeed's fp16 mode (costs.zero)
+PREDICTED_GPU = "V100"
 
 
 def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costs.Cell:
@@ -32,7 +38,10 @@ def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", 
                "weight_decay": optimizer.get("weight_decay", 0.0)}
     shape = shape_of(workload, raw.get("model") or {}, raw["data"]["dataset"])
     recomputed = costs.Cell.recomputed_blocks(shape, train.get("recompute"), train.get("recompute_layers"))
-    return costs.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], train.get("precision", "fp32"),
+    precision = train.get("precision", "fp32")
+    if precision == "auto":
+        precision = automatic_precision("cuda", capability_of(PREDICTED_GPU))
+    return costs.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], precision,
                           options, micro_batch=train.get("micro_batch"), recomputed=recomputed)
 
 

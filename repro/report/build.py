@@ -18,11 +18,14 @@ REPORT_RUN = "table2-report"
 
 
 def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str,
-                  cores: int | None = None, predict: evidence.Predictor | None = None, final: bool = True) -> list[Path]:
+                  cores: int | None = None, predict: evidence.Predictor | None = None, final: bool = True,
+                  with_settings: tuple[list[Cell], str] | None = None) -> list[Path]:
     """Every report file; the findings also read the parity report already in `folder`, if any.
     `cores`: the machine's (default), which decides whether epoch times can be compared; `predict`:
     the cost model at paper scale (default: repro.model.predict, quoted with the errors of this run's model check);
-    `final`: also log the files to the matrix's MLflow report run (not while the matrix still runs)."""
+    `final`: also log the files to the matrix's MLflow report run (not while the matrix still runs);
+    `with_settings`: the parity runs with memory settings (repro.parity.setting_cells) and their experiment,
+    for the model check's section of them."""
     folder.mkdir(parents=True, exist_ok=True)
     results = collect(cells, uri, experiment)
     nodes = max((r.cell.recipe.run.nodes for r in results if r.ok), default=1)
@@ -31,7 +34,13 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     paths += figures.all_figures(results, folder)
     cores = cores or cpu_cores()
     checked = model_check.checks(results, machine_profile(uri, measure=final), cores)
-    paths += model_check.write(folder, checked, uri)
+    if final:
+        model_check.log_step_times(uri, checked)
+    settings_checked = []
+    if with_settings:
+        setting_cells, setting_experiment = with_settings
+        settings_checked = model_check.setting_checks(collect(setting_cells, uri, setting_experiment))
+    paths += model_check.write(folder, checked, settings_checked)
     predict = predict or model_check.paper_predictor(checked)
     parity, partings = read_parity(folder)
     verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict, partings=partings)

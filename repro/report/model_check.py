@@ -2,14 +2,15 @@
 
 For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes),
 payload per step (comm/bytes_per_step) and one step's FLOPs by phase (flops/*), busiest rank, against
-repro.model.costs's and repro.model.flops's figures for the cell's recipe, with the relative error and the bound it is held to (costs.BOUNDS). A cell whose
-framework has no model, or a quantity the model leaves open, says so instead of a verdict. The model's
-figure and error are also logged on the cell's own MLflow run (names.MODEL_CHECK).
+repro.model.costs's and repro.model.flops's figures for the cell's recipe, with the relative error and
+the bound it is held to (costs.BOUNDS). A cell whose framework has no model, or a quantity the model
+leaves open, says so instead of a verdict. Each run logged the same check on its own MLflow run when it
+ended (names.MODEL_CHECK: repro.model.check).
 
 Step time: each CPU cell of no more processes than the machine has cores, the framework's measured
 median step against repro.model.time's on this machine's calibrated profile (repro.calibrate), held to
-time.BOUND a cell and time.MEDIAN_BOUND over the cells' median; logged as names.STEP_TIME_PREDICTED
-and names.STEP_TIME_ERROR.
+time.BOUND a cell and time.MEDIAN_BOUND over the cells' median; logged on each cell's run as
+names.STEP_TIME_PREDICTED and names.STEP_TIME_ERROR (`log_step_times`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from repro import names, registry
-from repro.model import costs, flops, time
+from repro.model import check as model_check, costs, time
 from repro.model.platforms import Platform
 from repro.report.collect import Result
 from repro.report.evidence import Prediction, Predictor
@@ -30,20 +31,17 @@ QUANTITY_METRIC = {"model_state": "model_state_bytes", "activations": "activatio
 
 def check(result: Result, platform: Platform | None = None, cores: int = 0) -> dict[str, Any]:
     """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none; with this
-    machine's `platform`, a step-time row for a cell of at most `cores` processes (`step_time_row`)."""
+    machine's `platform`, a step-time row for a CPU cell of at most `cores` processes (`step_time_row`)."""
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
-    try:
-        cell = costs.cell_of(result.cell.recipe, result.facts)
-        prediction, step_flops = costs.predict(cell), flops.step_flops(cell)
-    except (KeyError, ValueError) as error:
-        return {**out, "why": f"not modelled: {error.args[0]}"}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
     measured.update({f"flops_{phase}": count for phase, count in result.flops.items()})
-    rows = costs.compare(prediction, measured, step_flops)
-    processes = registry.plan_class(cell.framework).processes(result.cell.recipe)
-    if platform is not None and processes <= cores and cell.device == "cpu":
-        rows.append(step_time_row(result.framework_step_time(), time.step_time(cell, platform).total_s))
-    return {**out, "rows": rows}
+    checked = {**out, **model_check.check(result.cell.recipe, result.facts, measured)}
+    processes = registry.plan_class(result.cell.recipe.run.framework).processes(result.cell.recipe)
+    if "rows" in checked and platform is not None and processes <= cores:
+        cell = costs.cell_of(result.cell.recipe, result.facts)
+        if cell.device == "cpu":
+            checked["rows"].append(step_time_row(result.framework_step_time(), time.step_time(cell, platform).total_s))
+    return checked
 
 
 def step_time_row(measured: float | None, modelled: float) -> dict[str, Any]:
@@ -69,7 +67,31 @@ def median_step_time_error(checked: list[dict[str, Any]]) -> float | None:
     return statistics.median(errors) if errors else None
 
 
-def markdown(checked: list[dict[str, Any]]) -> str:
+def setting_checks(results: list[Result]) -> list[dict[str, Any]]:
+    """The runs with memory settings (repro.parity.setting_cells), each with its settings named: its check,
+    or why there is none (no finished run, a framework not installed here)."""
+    checked = []
+    for result in results:
+        named = {"settings": settings_named(result) if result.cell.recipe else ""}
+        if result.ok:
+            checked.append({**check(result), **named})
+            continue
+        why = result.error if result.status == "skipped" else f"no finished run ({result.status}) {result.error}".strip()
+        checked.append({"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id, **named, "why": why})
+    return checked
+
+
+def settings_named(result: Result) -> str:
+    """'recompute full of 1 blocks, 2 micro-batches of 2': the memory settings a run trained with (its
+    `effective.*`: the framework's own names, torchgpipe's checkpoint mode say; the recipe's sizes)."""
+    train, settings = result.cell.recipe.train, result.settings
+    layers = f" of {train.recompute_layers} blocks" if train.recompute_layers else ""
+    micro = f" of {train.micro_batch}" if train.micro_batch else ""
+    count = settings.get("micro_batches", "1")
+    return f"recompute {settings.get('recompute', 'none')}{layers}, {count} micro-batch{'' if count == '1' else 'es'}{micro}"
+
+
+def markdown(checked: list[dict[str, Any]], with_settings: list[dict[str, Any]] = ()) -> str:
     lines = ["# Counted against modelled, per cell (busiest rank)", "",
              "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in {**costs.BOUNDS, **costs.FLOP_BOUNDS}.items()) +
              ". The model: repro/model/costs.py; what it says at paper scale: `repro predict`.", "",
@@ -82,16 +104,31 @@ def markdown(checked: list[dict[str, Any]]) -> str:
                       f"{median:.1%} over {len(step_time_errors(checked))} cells: "
                       f"{'holds' if median <= time.MEDIAN_BOUND else '**does not hold**'}. The model: repro/model/time.py, "
                       "docs/time.md; at paper scale: `repro predict --platform lassen|thetagpu`.", ""]
+    lines += table_lines(checked)
+    if with_settings:
+        lines += ["", "## Runs with memory settings: recompute and micro-batches", "",
+                  "The parity section's configurations that recompute or accumulate gradients over micro-batches "
+                  "(repro/parity.py: `MEMORY_SETTINGS`; 4 steps at global batch 8 on each workload's reduced model), "
+                  "their counted runs against the model for their recipes, held to the same bounds.", "",
+                  "| run | settings | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|---|"]
+        lines += table_lines(with_settings)
+    return "\n".join(lines) + "\n"
+
+
+def table_lines(checked: list[dict[str, Any]]) -> list[str]:
+    """One line per checked quantity (or one saying why a cell has no check); a settings column where named."""
+    lines = []
     for cell in checked:
+        label = cell["cell"] + (f" | {cell['settings']}" if "settings" in cell else "")
         if "why" in cell:
-            lines.append(f"| {cell['cell']} | | | | | {cell['why']} |")
+            lines.append(f"| {label} | | | | | {cell['why']} |")
             continue
         for row in cell["rows"]:
             verdict = {True: "yes", False: "**no**", None: "not counted" if row["measured"] is None else "not modelled"}
             error = "" if row["error"] is None else f"{row['error']:.2%}"
-            lines.append(f"| {cell['cell']} | {row['quantity']} | {fmt(row['measured'], row['unit'])} | {fmt(row['modelled'], row['unit'])} | "
+            lines.append(f"| {label} | {row['quantity']} | {fmt(row['measured'], row['unit'])} | {fmt(row['modelled'], row['unit'])} | "
                          f"{error} | {verdict[row['within']]} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def paper_predictor(checked: list[dict[str, Any]]) -> Predictor:
@@ -137,53 +174,46 @@ def fmt(value: float | None, unit: str = "bytes") -> str:
     return f"{value:.4g}" if unit == "seconds" else f"{int(value):,}"
 
 
-def write(folder: Path, checked: list[dict[str, Any]], uri: str | None = None) -> list[Path]:
-    """Write the report of `checks` and, with `uri`, log each cell's modelled figures and errors on its run."""
-    (folder / "model_check.md").write_text(markdown(checked))
-    (folder / "model_check.json").write_text(json.dumps(checked, indent=2))
-    if uri:
-        log(uri, checked)
+def write(folder: Path, checked: list[dict[str, Any]], with_settings: list[dict[str, Any]] = ()) -> list[Path]:
+    """The report of the matrix's cells and of the runs with memory settings (those carry "settings")."""
+    (folder / "model_check.md").write_text(markdown(checked, with_settings))
+    (folder / "model_check.json").write_text(json.dumps([*checked, *with_settings], indent=2))
     return [folder / "model_check.md", folder / "model_check.json"]
 
 
-def log(uri: str, checked: list[dict[str, Any]]) -> None:
+def log_step_times(uri: str, checked: list[dict[str, Any]]) -> None:
+    """Each cell's step-time row on its own MLflow run (the rest of its check the run logged when it ended)."""
     from repro import tracking
 
     for cell in checked:
-        values = {}
         for row in cell.get("rows", []):
             if row["quantity"] == "step_time":
-                values[names.STEP_TIME_PREDICTED] = row["modelled"]
+                values = {names.STEP_TIME_PREDICTED: row["modelled"]}
                 if row["error"] is not None:
                     values[names.STEP_TIME_ERROR] = row["error"]
-                continue
-            if row["modelled"] is not None:
-                values[names.MODEL_CHECK.format(row["quantity"], row["unit"])] = row["modelled"]
-            if row["error"] is not None:
-                values[names.MODEL_CHECK.format(row["quantity"], "error")] = row["error"]
-        if values:
-            tracking.Run.connect(uri, cell["run_id"]).log_values(values)
+                tracking.Run.connect(uri, cell["run_id"]).log_values(values)
 
 
 def check_run(recipe: Any, uri: str, experiment: str) -> str | None:
-    """A single `repro run`'s own check, logged on its MLflow run (`log`): its counted figures and, on a
-    CPU with no more processes than cores, its step time against this machine's profile (calibrated on
-    first use and kept beside the store: repro.calibrate). One line saying the step-time verdict, or None."""
+    """A single `repro run`'s step-time check, logged on its MLflow run (`log_step_times`): on a CPU with
+    no more processes than cores, its step time against this machine's profile (calibrated on first use
+    and kept beside the store: repro.calibrate). One line with the verdict, or None."""
     from repro import calibrate
     from repro.cell import Cell
     from repro.hardware import cpu_cores
     from repro.report.collect import collect
 
+    processes = registry.plan_class(recipe.run.framework).processes(recipe)
+    if costs.cell_of(recipe).device != "cpu" or processes > cpu_cores():
+        return None
     cell = Cell(recipe.workload, recipe.run.framework, recipe.run.framework, recipe.run.gpus, recipe)
     results = [result for result in collect([cell], uri, experiment) if result.ok]
     if not results:
         return None
-    processes = registry.plan_class(recipe.run.framework).processes(recipe)
-    local = costs.cell_of(recipe).device == "cpu" and processes <= cpu_cores()
-    checked = checks(results, calibrate.calibrated(calibrate.store_folder(uri)) if local else None, cpu_cores())
-    log(uri, checked)
+    checked = checks(results, calibrate.calibrated(calibrate.store_folder(uri)), cpu_cores())
+    log_step_times(uri, checked)
     row = next((row for row in checked[0].get("rows", []) if row["quantity"] == "step_time"), None)
     if row is None or row["error"] is None:
         return None
-    return (f"step time: measured {row['measured'] * 1e3:.1f} ms, modelled {row['modelled'] * 1e3:.1f} ms "
+    return (f"step-time check: measured {row['measured'] * 1e3:.1f} ms, modelled {row['modelled'] * 1e3:.1f} ms "
             f"(error {row['error']:.1%}, bound {row['bound']:.0%}; repro/model/time.py)")

@@ -26,7 +26,7 @@ def from_params(params: dict[str, str], recipe: Recipe | None) -> dict[str, str]
     settings = {key: params[EFFECTIVE_PREFIX + key] for key in recorded if EFFECTIVE_PREFIX + key in params}
     if recipe is not None:
         settings = {**from_recipe(recipe), **settings}
-    if "train.precision" in params:
+    if "train.precision" in params and EFFECTIVE_PREFIX + "precision" not in params:  # runs from before issue 39
         settings["precision"] = params["train.precision"]
     return settings
 

@@ -3,7 +3,9 @@
 It runs the job while a courier thread delivers its events to MLflow (repro.delivery, in a thread of
 its own, so an MLflow outage never stops or slows the job), beats a heartbeat for `repro settle`,
 and writes the end to RUN_DIR/outcome.json first, so the end survives an MLflow server that is away
-(`repro sync` delivers it later). The job's output is kept in the run folder.
+(`repro sync` delivers it later). The job's output is kept in the run folder. A finished run checks the
+cost model against its own counters (repro.model.check): the figures and errors go with its end, and
+the follower says in one line whether the model held.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from typing import Callable
 
 from repro import delivery, events, names
+from repro.model import check
 from repro.run.progress import Progress
 from repro.run.supervision import POLL_S, Job, LauncherProcess
 from repro.run.torchrun_failure import describe_failure
@@ -38,8 +41,10 @@ def follow(command: list[str], folder: RunFolder, echo: Callable[[str], None], p
     folder.write_command(command)
     reader = events.EventReader(folder.events_file)
     shown = progress.show if progress else lambda event: None
+    last: dict[str, dict] = {}  # the last event of each kind: the model check reads the start's and the epoch's
     for event in reader.new():  # a resumed run: the events already delivered, for the progress display
         shown(event)
+        last[event["event"]] = event
     courier = delivery.Courier(delivery.Delivery(folder.path))
     courier.delivery.restart()
     delivery.beat(folder)
@@ -53,6 +58,7 @@ def follow(command: list[str], folder: RunFolder, echo: Callable[[str], None], p
                 finished = job.finished()
                 for event in reader.new():
                     shown(event)
+                    last[event["event"]] = event
                     if event["event"] == events.INTERRUPTED:
                         interrupted, saved_at = event, time.monotonic()
                 if finished:
@@ -64,11 +70,23 @@ def follow(command: list[str], folder: RunFolder, echo: Callable[[str], None], p
                     last_beat = time.monotonic()
                 job.wait(POLL_S)
         outcome = ending(job, interrupted, folder)
+        if outcome.status == "FINISHED":
+            self_check(outcome, folder, last, echo)
     finally:
         folder.write_outcome(outcome)
         if not courier.finish(DELIVERY_BUDGET_S):
             echo(f"repro: MLflow did not take everything: {courier.delivery.state.undelivered}")
     return job.returncode, outcome.status
+
+
+def self_check(outcome: Outcome, folder: RunFolder, last: dict[str, dict], echo: Callable[[str], None]) -> None:
+    """The cost model against the run's counters, into `outcome` (metrics and a tag) and one line on the console."""
+    recipe = folder.recipe()
+    checked = check.of_events(recipe, last.get(events.START), last.get(events.EPOCH))
+    line = check.summary(checked)
+    outcome.metrics.update(check.metrics(checked))
+    outcome.tags[names.MODEL_CHECK_LINE] = line
+    echo(line)
 
 
 def ending(job: Job, interrupted: dict | None, folder: RunFolder) -> Outcome:

@@ -119,14 +119,14 @@ def check_memory(recipe: Recipe, options: Launch) -> None:
         return
     from repro.model import costs
 
+    on_gpu = recipe.run.device == "cuda" or (recipe.run.device == "auto" and hardware.gpu_count())
     try:
-        cell = costs.cell_of(recipe)
+        cell = costs.cell_of(recipe, capability=hardware.gpu_capability() if on_gpu else None)
         predicted = costs.predict(cell)
     except KeyError:  # no model for this framework or workload: nothing to check against
         return
     per_gpu = predicted.fit_bytes
     gpus = recipe.run.gpus // recipe.run.nodes
-    on_gpu = recipe.run.device == "cuda" or (recipe.run.device == "auto" and hardware.gpu_count())
     need, have = (per_gpu, hardware.gpu_memory_bytes()) if on_gpu else (per_gpu * gpus, hardware.memory_gb() * 2**30)
     if need > have:
         standing_in = "" if on_gpu else f" x {gpus} CPU stand-in{'s' if gpus > 1 else ''} = {gib(need)}"
