@@ -155,6 +155,7 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
       repro predict --platform thetagpu
     """
     from repro.hardware import paper_gpu_memory
+    from repro.model.flops import step_flops
     from repro.model.predict import matrix_predictions, memory_minimum, paper_fit
 
     if platform_name:
@@ -169,8 +170,9 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
         return "-" if size is None else f"{size / 2**30:.2f}"
 
     for workload in models or MODELS:
-        click.echo(f"{workload}, {scale} scale: per GPU, GiB; communication MiB per step (payload handed)")
-        click.echo(f"  {'row':<16}{'gpus':>5}{'state':>9}{'activ.':>9}{'peak':>9}{'comm':>10}  fits")
+        click.echo(f"{workload}, {scale} scale: per GPU, GiB; communication MiB per step (payload handed); "
+                   "GFLOP per step (busiest GPU, the optimizer's included)")
+        click.echo(f"  {'row':<16}{'gpus':>5}{'state':>9}{'activ.':>9}{'peak':>9}{'comm':>10}{'GFLOP':>11}  fits")
         intra: dict[int, float] = {}  # the paper's U: where Megatron-intra's memory per GPU is lowest
         over: dict[str, list] = {}  # row -> its (gpus, prediction) above the smaller of the paper's GPUs
         for entry in matrix_predictions(workload, scale):
@@ -182,7 +184,8 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
             fits = [name for name, size in devices.items() if p.fit_bytes <= size * 2**30]
             note = "" if p.estimated_peak is not None else " (by model state: activations not predicted on this device)"
             click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{gib(p.model_state):>9}{gib(p.activations):>9}"
-                       f"{gib(p.estimated_peak):>9}{p.comm_bytes / 2**20:>10.1f}  {', '.join(fits) or 'none'}{note}")
+                       f"{gib(p.estimated_peak):>9}{p.comm_bytes / 2**20:>10.1f}{step_flops(entry['cell']).total / 1e9:>11.0f}  "
+                       f"{', '.join(fits) or 'none'}{note}")
         if len(intra) >= 3:
             lowest, shape = memory_minimum(intra)
             click.echo(f"  megatron-intra's peak per GPU is lowest at {lowest} GPU{'s' if lowest > 1 else ''} ({shape})")

@@ -9,7 +9,10 @@ registry's SDPA formulas, and files each operation under a phase:
 - backward: run by the autograd engine (a graph task is current) with grad mode off, as the engine runs
   gradient formulas;
 - recompute: run by the engine with grad mode on: activation checkpointing's forward again, which
-  torch.utils.checkpoint, torchgpipe and megatron-core run under enable_grad inside backward;
+  torch.utils.checkpoint and torchgpipe run under enable_grad inside backward; or inside `recomputing()`,
+  which the kit's own checkpoint opens around its recomputation (repro.adapters.recompute), since an
+  autograd Function's forward runs with grad mode off even there (ZeRO-3's linears; megatron-core's
+  too, whose recompute must open it as well);
 - forward: the rest (the optimizer's step is elementwise: none of it counts).
 
 A dispatch mode is thread-local: it sees the ops of the thread that entered it and of the autograd
@@ -63,9 +66,7 @@ class PhaseMode(TorchDispatchMode):
         packet = func._overloadpacket
         formula = CPU_FORMULAS.get(packet) or flop_registry.get(packet)
         if formula is not None:
-            in_engine = torch._C._current_graph_task_id() != -1
-            phase = ("recompute" if torch.is_grad_enabled() else "backward") if in_engine else "forward"
-            self.counter.add(phase, formula(*args, **kwargs, out_val=out))  # the registry's calling convention
+            self.counter.add(self.counter.phase(), formula(*args, **kwargs, out_val=out))  # the registry's calling convention
         return out
 
 
@@ -79,6 +80,7 @@ class FlopCounter:
         self.thread: int | None = None  # the counting thread while counting
         self.lock = threading.Lock()
         self.elsewhere = threading.local()  # a watched module's modes open on other threads
+        self.recomputations = 0  # `recomputing()` contexts open
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -90,6 +92,25 @@ class FlopCounter:
         finally:
             self.thread = None
         self.counted = True
+
+    def phase(self) -> str:
+        """The phase of the operation running now (the module's docstring)."""
+        if self.recomputations:
+            return "recompute"
+        if torch._C._current_graph_task_id() == -1:
+            return "forward"
+        return "recompute" if torch.is_grad_enabled() else "backward"
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Everything inside is recompute: a checkpoint's recomputation (torch.utils.checkpoint's
+        `context_fn`), where grad mode alone cannot tell: a custom autograd Function's forward runs with
+        grad mode off (DeepSpeed ZeRO-3's LinearFunctionForZeroStage3, megatron-core's linear layers)."""
+        self.recomputations += 1
+        try:
+            yield
+        finally:
+            self.recomputations -= 1
 
     def add(self, phase: str, flops: int) -> None:
         with self.lock:

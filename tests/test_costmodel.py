@@ -20,9 +20,13 @@ import torch
 import ranks
 from conftest import REPO, Repro
 from repro import events, names
+from repro.activation import Counter as ActivationCounter
+from repro.adapters.recompute import checkpoint_blocks
+from repro.flops import FlopCounter
 from repro.model import costs, flops
 from repro.adapters.torch_pipeline import stage_starts
 from repro.model.predict import Fit
+from repro.model.terms import Cell
 from repro.recipe import Recipe, load_file, recipe_path, resolve
 from repro.runfiles import RUN_FILE
 from repro.shapes import GPT2Shape, VGG16Shape, parameters, tensors
@@ -62,6 +66,32 @@ def test_vgg16_shape_matches_the_built_module_layer_for_layer(spec, classes):
     assert shape.stage_starts() == stage_starts(model)
     if classes == 1000:
         assert parameters(shape) == 138_357_544  # torchvision's vgg16
+
+
+# shapes no recipe uses: GPT-2 with 5 heads of 8 over 24 tokens, VGG-16 at other widths
+OTHER_GPT2, OTHER_VGG16 = GPT2Spec(3, 40, 5, 24, "bytes", 0.0), VGG16Spec(16, 96, 1, 32, 0.0)
+
+
+@pytest.mark.units
+@pytest.mark.parametrize("spec,batch,recomputed", [
+    (OTHER_GPT2, 3, 0), (OTHER_GPT2, 3, 2), (dataclasses.replace(OTHER_GPT2, dropout=0.1), 3, 1), (OTHER_VGG16, 5, 0),
+    (OTHER_VGG16, 5, 3)], ids=["gpt2", "gpt2-recompute", "gpt2-dropout-recompute", "vgg16", "vgg16-recompute"])
+def test_a_steps_counted_flops_equal_the_model_on_shapes_no_recipe_uses(spec, batch, recomputed):
+    if isinstance(spec, GPT2Spec):  # on CPU, attention with dropout takes SDPA's math path
+        model = build_gpt2(spec)
+        shape = dataclasses.replace(GPT2Shape.from_model(spec), math_attention=True)
+        inputs = targets = torch.randint(0, shape.vocab, (batch, spec.seq_len))
+    else:
+        model, shape = build_vgg16(spec, 10), VGG16Shape.from_model(spec, "digits")
+        inputs, targets = torch.randn(batch, 3, spec.image_size, spec.image_size), torch.randint(0, 10, (batch,))
+    counter = FlopCounter()
+    checkpoint_blocks(model, shape.blocks()[:recomputed], ActivationCounter(), counter)
+    with counter.counting():
+        output = model(inputs)
+        torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1)).backward()
+    modelled = flops.step_flops(Cell(shape, "ddp", 1, batch, recomputed=recomputed))
+    assert counter.per_step() == {"forward": modelled.forward, "backward": modelled.backward, "recompute": modelled.recompute}
+    assert modelled.recompute > 0 if recomputed else modelled.recompute == 0
 
 
 def layer_outputs(model: torch.nn.Sequential, inputs: torch.Tensor) -> list[int]:
@@ -137,6 +167,10 @@ CELLS = {
     # fp16 (issue 39): DeepSpeed's own fp16 mode keeps the module, its gradients and their reductions in fp16
     # (2 bytes an element; costs.deepspeed_element), the master partition and Adam's moments in fp32
     "zero-2-fp16": ("zero", 2, ["train.precision=fp16"]), "zero3-2-fp16": ("zero", 2, ["zero.stage=3", "train.precision=fp16"]),
+    # shapes no recipe uses (issue 40: FLOPs, and the bytes with them): GPT-2 with 5 heads of 8 over 24 tokens,
+    # VGG-16 at half the smoke widths, cut into pipeline stages
+    "zero-2-other-shape": ("zero", 2, ["model.n_layer=3", "model.d_model=40", "model.n_head=5", "model.seq_len=24"]),
+    "torch-pipeline-2-vgg16-other-widths": ("torch-pipeline", 2, ["model.width_div=16", "model.classifier_width=96"], "vgg16"),
 }
 # One cell runs as users run it (`repro run`: pre-flight, launcher, MLflow); the others' point is the
 # counts, so their ranks are forked by the tests' warm launcher (tests/ranks.py) on the same recipe.
@@ -186,7 +220,7 @@ def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
         cell = costs.cell_of(recipe, start["adapter"])
         prediction = costs.predict(cell)
         measured = costs.measured_of(epoch["ranks"])
-        cache[name] = (prediction, measured, costs.compare(prediction, measured, flops.step_flops(cell)))
+        cache[name] = (prediction, measured, costs.compare(prediction, measured, flops.process_flops(cell)))
     return cache[name]
 
 
@@ -237,10 +271,15 @@ def test_a_run_checks_the_model_against_its_own_counters_and_says_so(repro, monk
     assert folder.recipe().train.micro_batch == 2 and modelled.activations > 0
     metric = lambda quantity, kind: run.data.metrics[names.MODEL_CHECK.format(quantity, kind)]
     assert [metric(q, "bytes") for q in costs.BOUNDS] == [modelled.model_state, modelled.activations, modelled.comm_bytes]
+    step = flops.process_flops(costs.cell_of(folder.recipe(), start["adapter"]))
+    assert [metric(q, "count") for q in costs.FLOP_BOUNDS] == [step.forward, step.backward, step.recompute]
+    assert [metric(q, "error") for q in costs.FLOP_BOUNDS] == [0.0, 0.0, 0.0]
+    assert run.data.metrics[names.FLOPS.format("total")] == step.counted
     errors = [metric(q, "error") for q in costs.BOUNDS]
     assert all(0 <= error <= bound for error, bound in zip(errors, costs.BOUNDS.values())), errors
     line = (f"model check: model state {errors[0]:.2%} (bound 1%), activations {errors[1]:.2%} (bound 5%), "
-            f"communication {errors[2]:.2%} (bound 1%)")
+            f"communication {errors[2]:.2%} (bound 1%), forward FLOPs 0.00% (bound 0%), backward FLOPs 0.00% "
+            "(bound 0%), recompute FLOPs 0.00% (bound 0%)")
     assert line in result.stdout.splitlines() and run.data.tags[names.MODEL_CHECK_LINE] == line
 
     last = {e["event"]: e for e in result.events()}
@@ -358,9 +397,11 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     assert all(any(line.startswith(f"{w}, paper scale") for line in lines) for w in ("gpt2", "vgg16"))
     gpt2 = lines[next(i for i, line in enumerate(lines) if line.startswith("gpt2")):]
     ddp64 = next(line.split() for line in gpt2 if line.split()[:2] == ["ddp", "64"])
-    medium = costs.predict(costs.Cell(GPT2Shape(24, 1024, 16, 1024, 50257, 0.1), "ddp", 64, 32, "lamb", "bf16"))
+    cell = costs.Cell(GPT2Shape(24, 1024, 16, 1024, 50257, 0.1), "ddp", 64, 32, "lamb", "bf16", {"weight_decay": 0.01})
+    medium = costs.predict(cell)
     assert ddp64[2:5] == [f"{medium.model_state / 2**30:.2f}", f"{medium.activations / 2**30:.2f}",
                           f"{medium.estimated_peak / 2**30:.2f}"] and ddp64[-1] == "none"  # 38 GiB: no V100 holds it
+    assert ddp64[6] == f"{flops.step_flops(cell).total / 1e9:.0f}"  # about 6 x parameters x tokens, plus attention
     from repro.model.predict import memory_minimum, predict_row
 
     intra = {g: predict_row("gpt2", "megatron-intra", g) for g in (1, 2, 4, 8, 16, 32, 64)}

@@ -15,6 +15,7 @@ from repro.cell import Cell
 pytestmark = pytest.mark.units
 
 MIB = 2**20
+FORWARD_FLOPS = 10**9  # what the fake runs count a step's forward to (not the model's: the check says so)
 # row -> gpus -> (epoch seconds, validation perplexity per epoch, model-state MiB, activation MiB);
 # None: no run recorded
 RECORDED = {
@@ -63,7 +64,8 @@ def record(uri: str, cell: Cell) -> None:
     epoch_s, curve, state_mib, activation_mib = spec
     ranks = [{"rank": r, "peak_bytes": 900 * MIB, "method": "cpu_peak_rss", "parameters": state_mib * MIB,
               "gradients": 0, "optimizer": 0, "activation_peak_bytes": activation_mib * MIB,
-              "comm": {"bytes": {"all_reduce": state_mib * MIB // 2}, "calls": {"all_reduce": 1}} if cell.gpus > 1 else {}}
+              "comm": {"bytes": {"all_reduce": state_mib * MIB // 2}, "calls": {"all_reduce": 1}} if cell.gpus > 1 else {},
+              "flops": {"forward": FORWARD_FLOPS, "backward": 2 * FORWARD_FLOPS + r, "recompute": 0}}  # rank 3 the busiest at 4
              for r in range(cell.gpus)]
     run.log_events([
         {"event": events.EPOCH, "wall": 1.0e9 + epoch, "epoch": epoch, "epoch_s": epoch_s, "elapsed_s": epoch_s * (epoch + 1),
@@ -90,13 +92,15 @@ def setting_cells() -> list[Cell]:
 
 def record_setting_run(uri: str, cell: Cell) -> None:
     """A finished parity run of `cell` whose counters show the model's figures (SETTING_OFF's activations 20% more)."""
-    from repro.model import costs
+    from repro.model import costs, flops
 
-    modelled = costs.predict(costs.cell_of(cell.recipe))
+    modelled, step = costs.predict(costs.cell_of(cell.recipe)), flops.process_flops(costs.cell_of(cell.recipe))
     activations = modelled.activations * 6 // 5 if cell.label == SETTING_OFF else modelled.activations
     ranks = [{"rank": r, "peak_bytes": 900 * MIB, "method": "cpu_peak_rss", "parameters": modelled.model_state,
               "gradients": 0, "optimizer": 0, "activation_peak_bytes": activations,
-              "comm": {"bytes": modelled.comm, "calls": {kind: 1 for kind in modelled.comm}}} for r in range(cell.gpus)]
+              "comm": {"bytes": modelled.comm, "calls": {kind: 1 for kind in modelled.comm}},
+              "flops": {"forward": step.forward, "backward": step.backward, "recompute": step.recompute}}
+             for r in range(cell.gpus)]
     run = tracking.Run.create(uri, PARITY_EXPERIMENT, cell.label, {names.RECIPE_SHA256: cell.recipe.fingerprint()}, {})
     run.log_events([{"event": events.EPOCH, "wall": 1.0e9, "epoch": 0, "epoch_s": 1.0, "elapsed_s": 1.0,
                      "samples_per_s": 32.0, "val": {}, "ranks": ranks}])
@@ -230,23 +234,31 @@ def test_platform_table_has_the_papers_rows_and_this_machine(report: Path) -> No
 
 
 def test_communication_and_the_cost_model_check_are_reported(report: Path) -> None:
-    from repro.model import costs
+    from repro.model import costs, flops
 
     assert float(rows(report)[("ddp", 4)]["comm_mib_per_step"]) == 4.0 and rows(report)[("ddp", 1)]["comm_mib_per_step"] == ""
     checked = {c["cell"]: c for c in json.loads((report / "model_check.json").read_text())}
     recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=ddp", "run.gpus=4"])
     modelled = costs.predict(costs.cell_of(recipe))
-    state, activations, comm = [row for row in checked["gpt2 ddp 4g"]["rows"] if row["unit"] == "bytes"]  # FLOP rows after
+    state, activations, comm, forward, backward, recompute = checked["gpt2 ddp 4g"]["rows"]
     assert (state["measured"], state["modelled"]) == (8 * MIB, modelled.model_state) and state["within"] is False
     assert (comm["measured"], comm["modelled"]) == (4 * MIB, modelled.comm_bytes)
+    # FLOPs by phase, the busiest rank's (rank 3), against the model's, held exact
+    step = flops.process_flops(costs.cell_of(recipe))
+    assert [(row["quantity"], row["measured"], row["modelled"], row["bound"]) for row in (forward, backward, recompute)] == [
+        ("flops_forward", FORWARD_FLOPS, step.forward, 0.0), ("flops_backward", 2 * FORWARD_FLOPS + 3, step.backward, 0.0),
+        ("flops_recompute", 0, 0, 0.0)]
+    assert forward["within"] is False and recompute["within"] is True
     assert "| gpt2 ddp 4g | model_state | 8,388,608 |" in (report / "model_check.md").read_text()
+    run = tracking.client(f"sqlite:///{report.parent}/mlflow.db").get_run(checked["gpt2 ddp 4g"]["run_id"])
+    assert run.data.metrics[names.FLOPS.format("total")] == 3 * FORWARD_FLOPS + 3  # from the ranks' events
 
 
 def test_the_model_check_has_a_row_per_parity_run_with_memory_settings(report: Path) -> None:
     """The parity runs that recompute or accumulate micro-batches, each quantity's counted and modelled bytes,
     error and verdict, their settings named; the one recorded 20% off in activations is flagged, the one
     without a run says so."""
-    from repro.model import costs
+    from repro.model import costs, flops
 
     cells = {cell.row: cell for cell in setting_cells() if cell.workload == "gpt2"}
     assert {"ddp-2-micro", "ddp-2-recompute", "zero-2-micro", "zero-2-recompute", "torchgpipe-2-always"} <= set(cells)
@@ -255,9 +267,11 @@ def test_the_model_check_has_a_row_per_parity_run_with_memory_settings(report: P
     micro = checked["gpt2 ddp-2-micro 2g"]
     modelled = costs.predict(costs.cell_of(cells["ddp-2-micro"].recipe))
     assert micro["settings"] == "recompute none, 2 micro-batches of 2"
-    assert [(r["measured"], r["modelled"], r["error"], r["within"]) for r in micro["rows"] if r["unit"] == "bytes"] == [
+    step = flops.process_flops(costs.cell_of(cells["ddp-2-micro"].recipe))
+    assert [(r["measured"], r["modelled"], r["error"], r["within"]) for r in micro["rows"]] == [
         (modelled.model_state, modelled.model_state, 0.0, True), (modelled.activations, modelled.activations, 0.0, True),
-        (modelled.comm_bytes, modelled.comm_bytes, 0.0, True)]
+        (modelled.comm_bytes, modelled.comm_bytes, 0.0, True), (step.forward, step.forward, 0.0, True),
+        (step.backward, step.backward, 0.0, True), (0, 0, 0.0, True)]
 
     off = checked[SETTING_OFF]
     modelled = costs.predict(costs.cell_of(cells["ddp-2-recompute"].recipe)).activations

@@ -26,7 +26,7 @@ class DDPAdapter(DDPPlan, Adapter):
 
         device = self.ctx.device
         model = model.to(device)
-        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations)
+        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations, self.flops)
         ids = [device.index] if device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=ids)
         self.optimizer = make_optimizer(self.ctx.recipe.optimizer(), self.model.parameters())

@@ -9,36 +9,45 @@ the loss is unchanged bit for bit.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from repro.activation import Counter
+from repro.flops import FlopCounter
 from repro.recipe import Recipe
 from repro.shapes import shape_of
 
 
-def apply_recompute(model: nn.Sequential, recipe: Recipe, mode: str, counter: Counter) -> list[tuple[int, int]]:
+def apply_recompute(model: nn.Sequential, recipe: Recipe, mode: str, counter: Counter,
+                    flops: FlopCounter | None = None) -> list[tuple[int, int]]:
     """Apply `mode` (the framework's effective recompute) to `model`: under full recompute the first
     train.recompute_layers of the workload's blocks (all by default) run under checkpoint. Returns those
     blocks' layer ranges (for the start event's facts)."""
     if mode != "full":
         return []
     blocks = shape_of(recipe.workload, recipe.model, recipe.data.dataset).blocks()[: recipe.train.recompute_layers]
-    checkpoint_blocks(model, blocks, counter)
+    checkpoint_blocks(model, blocks, counter, flops)
     return blocks
 
 
-def checkpoint_blocks(model: nn.Sequential, blocks: list[tuple[int, int]], counter: Counter) -> None:
+def checkpoint_blocks(model: nn.Sequential, blocks: list[tuple[int, int]], counter: Counter,
+                      flops: FlopCounter | None = None) -> None:
     """Make `model` run each of `blocks` (layer ranges start..stop-1) under torch.utils.checkpoint, the
-    recomputation counted by `counter`. The forward is replaced on the instance only: the modules, their
-    order and the state dict are the model's own, so DDP's buckets and the checkpoint files are unchanged."""
+    recomputation counted by `counter` (and its FLOPs by `flops`). The forward is replaced on the instance
+    only: the modules, their order and the state dict are the model's own, so DDP's buckets and the
+    checkpoint files are unchanged."""
     stops = dict(blocks)
 
+    @contextlib.contextmanager
+    def recomputation() -> Iterator[None]:
+        with counter.recomputation(), flops.recomputing() if flops else contextlib.nullcontext():
+            yield
+
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return contextlib.nullcontext(), counter.recomputation()
+        return contextlib.nullcontext(), recomputation()
 
     def forward(x: torch.Tensor) -> Any:
         index = 0

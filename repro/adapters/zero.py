@@ -92,7 +92,7 @@ class ZeroAdapter(ZeroPlan, Adapter):
         programs_beside_python_on_path()
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extension_folder()))  # a folder the user set wins
         model = model.to(self.ctx.device)
-        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations)
+        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations, self.flops)
         optimizer = make_optimizer(self.ctx.recipe.optimizer(), model.parameters())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.deepspeed_config(), dist_init_required=False,

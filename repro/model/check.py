@@ -10,21 +10,21 @@ from __future__ import annotations
 from typing import Any
 
 from repro import names
-from repro.model import costs
-from repro.model.flops import step_flops
+from repro.model import costs, flops
 
-QUANTITY_NAMES = {"model_state": "model state", "activations": "activations", "comm": "communication"}
+QUANTITY_NAMES = {"model_state": "model state", "activations": "activations", "comm": "communication",
+                  "flops_forward": "forward FLOPs", "flops_backward": "backward FLOPs", "flops_recompute": "recompute FLOPs"}
 
 
 def check(recipe: Any, facts: dict[str, Any] | None, measured: dict[str, Any]) -> dict[str, Any]:
-    """`recipe`'s modelled figures against `measured` (quantity -> counted bytes, None: not counted);
-    `facts`: the adapter's setup decisions (costs.cell_of)."""
+    """`recipe`'s modelled figures against `measured` (quantity -> counted bytes or FLOPs, None: not
+    counted); `facts`: the adapter's setup decisions (costs.cell_of)."""
     try:
         cell = costs.cell_of(recipe, facts)
-        prediction, flops = costs.predict(cell), step_flops(cell)
+        prediction, counted = costs.predict(cell), flops.process_flops(cell)
     except (KeyError, ValueError) as error:
         return {"why": f"not modelled: {error.args[0]}"}
-    return {"rows": costs.compare(prediction, measured, flops)}
+    return {"rows": costs.compare(prediction, measured, counted)}
 
 
 def of_events(recipe: Any, start: dict[str, Any] | None, epoch: dict[str, Any] | None) -> dict[str, Any]:
@@ -37,7 +37,8 @@ def of_events(recipe: Any, start: dict[str, Any] | None, epoch: dict[str, Any] |
 
 
 def metrics(checked: dict[str, Any]) -> dict[str, float]:
-    """The check as MLflow metrics: each quantity's modelled bytes and relative error, where there is one."""
+    """The check as MLflow metrics: each quantity's modelled bytes (FLOPs: count) and relative error, where
+    there is one."""
     values = {}
     for row in checked.get("rows", []):
         if row["modelled"] is not None:
@@ -54,7 +55,7 @@ def summary(checked: dict[str, Any]) -> str:
         return f"model check: {checked['why']}"
     parts = []
     for row in checked["rows"]:
-        name = QUANTITY_NAMES.get(row["quantity"], row["quantity"].replace("_", " "))
+        name = QUANTITY_NAMES[row["quantity"]]
         if row["error"] is None:
             parts.append(f"{name} {'not counted' if row['measured'] is None else 'not modelled'}")
             continue

@@ -360,7 +360,8 @@ def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def compare(prediction: Prediction, measured: dict[str, Any], flops: StepFlops | None = None) -> list[dict[str, Any]]:
     """One row per quantity: measured, modelled, its unit (bytes; FLOPs: count), relative error, bound and
     whether it holds (None where either side is missing: not counted, or not modelled); with `flops`
-    (repro.model.flops.step_flops), a row per FLOP phase too (the optimizer's are modelled, not counted)."""
+    (repro.model.flops.process_flops: what a process counts), a row per FLOP phase too (the optimizer's
+    are modelled, not counted)."""
     modelled = {"model_state": prediction.model_state, "activations": prediction.activations,
                 "comm": prediction.comm_bytes}
     bounds = dict(BOUNDS)

@@ -1,5 +1,5 @@
 """Floating-point operations of one training step on the busiest GPU, in closed form from the recipe
-(docs/time.md, "FLOPs"). No torch.
+(docs/flops.md). No torch.
 
 What is counted is what torch's FlopCounterMode counts (torch/utils/flop_counter.py: `flop_registry`):
 matrix multiplies (mm, addmm, bmm, baddbmm: 2 m n k), convolutions (2 x output positions x kernel x
@@ -27,7 +27,7 @@ from repro.model.pipelines import CHECKPOINTED, rank_shares, stage_sizes, stages
 from repro.model.terms import Cell, even_balance, split
 from repro.shapes import GPT2Shape, VGG16Shape, flat_sharded, parameters
 
-# elementwise FLOPs an optimizer spends per parameter element in one step (docs/time.md, "FLOPs"), from
+# elementwise FLOPs an optimizer spends per parameter element in one step (docs/flops.md), from
 # torch/optim/adam.py, sgd.py (_single_tensor_*) and timm/optim/lamb.py (_single_tensor_lamb), counting
 # an add, multiply, divide or square root 1, an add with alpha, a norm's square-and-sum 2, lerp, addcmul
 # and addcdiv 3: (without weight decay, what weight decay adds)
@@ -77,11 +77,14 @@ def layer_forward(shape: GPT2Shape | VGG16Shape, batch: int) -> list[int]:
 
 def layer_backward(shape: GPT2Shape | VGG16Shape, batch: int) -> list[int]:
     """Backward FLOPs of each layer at `batch` samples: twice the forward (input and weight gradients);
-    GPT-2's attention five products for two; the model's first layer computes no input gradient."""
+    GPT-2's fused attention kernel five products for two (SDPA's math path, which CPU takes with dropout:
+    `shape.math_attention`, two batched matmuls whose backward is two each); the model's first layer
+    computes no input gradient."""
     forward = layer_forward(shape, batch)
     if isinstance(shape, GPT2Shape):
         attention = 4 * batch * shape.seq_len**2 * shape.d_model
-        return [0, *[2 * (f - attention) + attention * 5 // 2 for f in forward[1:-1]], 2 * forward[-1]]
+        products = 4 if shape.dropout and shape.math_attention else 5  # backward's, for the forward's 2
+        return [0, *[2 * (f - attention) + attention * products // 2 for f in forward[1:-1]], 2 * forward[-1]]
     return [f if index == 0 else 2 * f for index, f in enumerate(forward)]
 
 
@@ -98,16 +101,22 @@ def recomputed_forward(cell: Cell, batch: int) -> int:
     Cell.recomputed blocks (repro.adapters.recompute): each block's forward but what `early_stopped` skips."""
     forward = layer_forward(cell.shape, batch)
     blocks = cell.shape.blocks()[: cell.recomputed]
-    return sum(sum(forward[start:stop]) - early_stopped(cell.shape, batch) for start, stop in blocks)
+    return sum(sum(forward[start:stop]) - early_stopped(cell, batch) for start, stop in blocks)
 
 
-def early_stopped(shape: GPT2Shape | VGG16Shape, batch: int) -> int:
+def early_stopped(cell: Cell, batch: int) -> int:
     """FLOPs at a block's end that torch's non-reentrant checkpoint does not redo: its recomputation
     stops once the last tensor the block saved for backward is back (torch/utils/checkpoint.py, early
     stop, on by default), and a matrix product saves its inputs before it runs (autograd's generated
     VariableType kernels), so a block ending in one skips it: GPT-2's MLP output projection (2 N 4d d).
-    A VGG-16 block ends in a max-pool, which saves the indices it outputs: it runs (no matmul after it)."""
-    return 8 * batch * shape.seq_len * shape.d_model**2 if isinstance(shape, GPT2Shape) else 0
+    Not with dropout, whose mask after that projection is the last tensor saved; nor under ZeRO-3, whose
+    linears are an autograd Function that saves its inputs after the product (deepspeed/runtime/zero/
+    linear.py: LinearFunctionForZeroStage3.setup_context). A VGG-16 block ends in a max-pool, which saves
+    the indices it outputs: it runs (no matmul after it)."""
+    zero3 = cell.framework == "zero" and cell.option("stage", 2) == 3
+    if zero3 or not isinstance(cell.shape, GPT2Shape) or cell.shape.dropout:
+        return 0
+    return 8 * batch * cell.shape.seq_len * cell.shape.d_model**2
 
 
 def data_parallel(cell: Cell, elements: int) -> StepFlops:
@@ -122,6 +131,8 @@ def megatron(cell: Cell) -> StepFlops:
     """A tp rank of Megatron: the tp group's batch_per_gpu x tp sequences through its shard of every
     matmul (docstring above); attention's backward two products per forward product."""
     shape, tp = cell.shape, cell.option("tp", 1)
+    if not isinstance(shape, GPT2Shape):
+        raise KeyError("megatron applies to gpt2 only")
     b = cell.batch_per_gpu * tp
     n, d, s = b * shape.seq_len, shape.d_model, shape.seq_len
     linears, attention = 24 * n * d * d // tp, 4 * b * s * s * d // tp
@@ -152,22 +163,26 @@ def pipeline(cell: Cell, stages: list[tuple[int, int, int]], elements: list[int]
 def torchgpipe_partitions(cell: Cell) -> list[StepFlops]:
     """torchgpipe, per partition (a GPU at paper scale): chunks_per_gpu x k micro-batches of
     batch_per_gpu samples through it, the checkpointed ones (CHECKPOINTED) recomputed in backward; the
-    optimizer over its parameters (the last partition also a copy of the tied weight: the adapter unties it)."""
-    k, layers = cell.gpus, len(cell.shape.layer_tensors())
+    optimizer over its parameters (the last partition also a copy of the tied weight: the adapter unties it).
+    torchgpipe's `depend` joins each micro-batch's input after the first to its predecessor's graph
+    (torchgpipe/pipeline.py, dependency.py: Join), so a floating-point input requires a gradient and the
+    first layer computes it for chunks - 1 micro-batches (VGG-16's first convolution; GPT-2's first
+    layer is a lookup: no FLOPs)."""
+    k, layers, b = cell.gpus, len(cell.shape.layer_tensors()), cell.batch_per_gpu
     sizes = cell.option("balance", None) or even_balance(layers, k)
     chunks = cell.option("chunks_per_gpu", 4) * k
-    recomputed = CHECKPOINTED[cell.option("checkpoint", "except_last")](chunks) * cell.batch_per_gpu
-    stages = stage_flops(cell, sizes, chunks * cell.batch_per_gpu, recomputed)
+    recomputed = CHECKPOINTED[cell.option("checkpoint", "except_last")](chunks) * b
+    stages = stage_flops(cell, sizes, chunks * b, recomputed)
+    forward, backward, recompute = stages[0]
+    stages[0] = (forward, backward + (chunks - 1) * layer_forward(cell.shape, b)[0], recompute)
     elements = [sum(map(sum, part)) for part in split(cell.shape.layer_tensors(), sizes)]
     elements[-1] += cell.shape.tied_elements()
     return [pipeline(cell, [stage], [held]) for stage, held in zip(stages, elements)]
 
 
 def torchgpipe(cell: Cell) -> StepFlops:
-    """torchgpipe's one process, which drives every partition (what the run's counter sees: the
-    partitions' sum; on GPUs each partition's work is its device's, `torchgpipe_partitions`)."""
-    partitions = torchgpipe_partitions(cell)
-    return StepFlops(*(sum(getattr(part, phase) for part in partitions) for phase in ("forward", "backward", "recompute", "optimizer")))
+    """torchgpipe's busiest partition (GPU)."""
+    return max(torchgpipe_partitions(cell), key=lambda flops: flops.counted)
 
 
 def torch_pipeline(cell: Cell) -> StepFlops:
@@ -183,6 +198,16 @@ def pipedream(cell: Cell) -> StepFlops:
     sizes = stage_sizes(cell, cell.gpus)
     stages = stage_flops(cell, sizes, cell.batch_per_gpu)
     return pipeline(cell, stages, [elements for elements, _ in rank_shares(cell, sizes, cell.gpus)])
+
+
+def process_flops(cell: Cell) -> StepFlops:
+    """The FLOPs of one training step of the busiest process: what the run's counter sees (repro.flops).
+    A GPU's (`step_flops`) but under torchgpipe, whose one process drives every partition: their sum."""
+    if cell.framework != "torchgpipe":
+        return step_flops(cell)
+    partitions = torchgpipe_partitions(cell)
+    phases = ("forward", "backward", "recompute", "optimizer")
+    return StepFlops(*(sum(getattr(part, phase) for part in partitions) for phase in phases))
 
 
 def step_flops(cell: Cell) -> StepFlops:

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from repro.model import costs, pipelines
-from repro.model.flops import StepFlops, step_flops, torchgpipe_partitions
+from repro.model.flops import StepFlops, process_flops, step_flops
 from repro.model.platforms import Platform
 from repro.model.terms import Cell, even_balance
 from repro.shapes import GPT2Shape, parameters, tensor_count
@@ -199,14 +199,11 @@ def pipeline(cell: Cell, platform: Platform) -> StepTime:
     from one process: on CPU stand-ins one host runs all of them, one after another, and hands nothing over."""
     schedule, per_rank, micro, _, sizes = pipeline_plan(cell)
     ranks = cell.gpus
-    busiest = max(range(ranks), key=lambda rank: sum(layer_ops(cell.shape, rank_layers(sizes, rank, ranks))[:2]))
-    rank_flops = step_flops(cell)  # the busiest rank's; torchgpipe's: its one process's, every partition
     if cell.framework == "torchgpipe" and not platform.dispatch_overlaps:
         one = dataclasses.replace(cell, gpus=1, options={**cell.options, "balance": [sum(sizes)], "chunks_per_gpu": micro})
-        return StepTime(compute_seconds(one, platform, rank_flops, all_layers(cell), micro), 0.0, 0.0)
-    if cell.framework == "torchgpipe":
-        rank_flops = max(torchgpipe_partitions(cell), key=lambda part: part.counted)
-    compute = compute_seconds(cell, platform, rank_flops, rank_layers(sizes, busiest, ranks), micro)
+        return StepTime(compute_seconds(one, platform, process_flops(cell), all_layers(cell), micro), 0.0, 0.0)
+    busiest = max(range(ranks), key=lambda rank: sum(layer_ops(cell.shape, rank_layers(sizes, rank, ranks))[:2]))
+    compute = compute_seconds(cell, platform, step_flops(cell), rank_layers(sizes, busiest, ranks), micro)
     comm = sum(collective_seconds(platform, kind, payload, 2, 2 * micro)
                for kind, payload in costs.predict(cell).comm.items() if kind in ("send", "all_reduce"))
     slots = pipelines.schedule_slots(schedule, ranks, per_rank, micro)

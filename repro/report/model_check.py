@@ -2,8 +2,8 @@
 
 For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes),
 payload per step (comm/bytes_per_step) and one step's FLOPs by phase (flops/*), busiest rank, against
-repro.model.costs's and repro.model.flops's figures for the cell's recipe, with the relative error and
-the bound it is held to (costs.BOUNDS). A cell whose framework has no model, or a quantity the model
+the cost model's figures for the cell's recipe, with the relative error and the bound it is held to
+(costs.BOUNDS, costs.FLOP_BOUNDS). A cell whose framework has no model, or a quantity the model
 leaves open, says so instead of a verdict. Each run logged the same check on its own MLflow run when it
 ended (names.MODEL_CHECK: repro.model.check).
 
