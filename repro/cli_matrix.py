@@ -43,7 +43,7 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
     from repro import tracking
     from repro import table2 as matrix_module
     from repro.matrix import expand, load_matrix
-    from repro.report.build import EarlyReports, write_reports
+    from repro.report.build import EarlyReports, machine_profile, write_reports
 
     uri = tracking.tracking_uri(tracking_uri)
     experiment = experiment or f"table2-{scale}"
@@ -75,7 +75,9 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         # its runs with memory settings, checked against the cost model beside the matrix's cells
         with_settings = ([cell for model in ("gpt2", "vgg16") for cell in parity_module.setting_cells(model, scale)],
                          f"parity-{scale}")
-    for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings):
+    # this machine's profile for the step-time check: the one kept beside the store, or measured now, once
+    platform = machine_profile(uri, measure=True) if scale == "smoke" else None
+    for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings, platform=platform):
         click.echo(str(path))
 
 

@@ -202,3 +202,21 @@ def test_the_op_counts_are_what_a_step_dispatches():
     vgg = step_ops("vgg16")
     per_tensor, fixed = time.OPTIMIZER_OPS["adam"]
     assert (vgg["forward"], vgg["backward"], vgg["optimizer"]) == (*time.VGG16_OPS, per_tensor * vgg["tensors"] + fixed)
+
+
+def test_a_cells_check_gains_a_step_time_row_only_where_its_processes_fit_the_cores():
+    from repro.cell import Cell as MatrixCell
+    from repro.recipe import load_file, recipe_path
+    from repro.report.collect import Result
+
+    def result(gpus: int) -> Result:
+        recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=ddp", f"run.gpus={gpus}"])
+        return Result(MatrixCell("gpt2", "ddp", "ddp", gpus, recipe), "FINISHED", run_id="r", epoch_s=[1.0],
+                      step_s={"median": [0.05, 0.07, 0.06]}, harness_us=5000.0)
+
+    two = model_check.check(result(2), cpu_profile(), cores=2)
+    row = next(row for row in two["rows"] if row["quantity"] == "step_time")
+    modelled = time.step_time(costs.cell_of(result(2).cell.recipe), cpu_profile()).total_s
+    assert (row["measured"], row["modelled"]) == (pytest.approx(0.06 - 0.005), modelled)  # median of the epochs' medians, less the loop's own
+    four = model_check.check(result(4), cpu_profile(), cores=2)
+    assert all(row["quantity"] != "step_time" for row in four["rows"])  # 4 processes on 2 cores: contention
