@@ -12,7 +12,7 @@ import click
 
 from repro import registry
 from repro.cli_base import MODELS, SCALES, OneLineErrors, fail
-from repro.cli_matrix import calibrate, parity, predict, table2
+from repro.cli_matrix import calibrate, convergence, parity, predict, table2
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -266,7 +266,7 @@ def verify(name: str, deep: bool) -> None:
     click.echo(f"{name}: ok ({verified.root}, sha256 {verified.sha256}; {verified.check})")
 
 
-for command in (table2, parity, predict, calibrate):
+for command in (table2, parity, convergence, predict, calibrate):
     main.add_command(command)
 
 

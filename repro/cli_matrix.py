@@ -1,5 +1,6 @@
-"""`repro table2`, `repro parity` and `repro predict`: the comparison matrix, its parity section and
-the cost model's predictions, as commands (the work is in repro.table2, repro.parity, repro.model.predict)."""
+"""`repro table2`, `repro parity`, `repro convergence` and `repro predict`: the comparison matrix, its parity
+section and convergence study, and the cost model's predictions, as commands (the work is in repro.table2,
+repro.parity, repro.convergence, repro.model.predict)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,7 +34,9 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
     \b
     Runs every cell (workload x framework x GPU count, configs/table2.yaml) that MLflow does not
     already hold for the same recipe fingerprint, so an interrupted matrix resumes and a second
-    call only rebuilds reports/: table2_platforms.*, results.{md,csv,tex}, *.png, findings.md.
+    call only rebuilds reports/: table2_platforms.*, results.{md,csv,tex}, *.png, findings.md; at
+    smoke scale also the parity report and the convergence study (parity.*, convergence.*), on which
+    the findings draw.
     While cells run, reports/ is rewritten every few minutes (an early report says so in its
     first line), and each cell's progress line gives the time left from the finished cells' times.
     Every cell is checked first (recipe, data present and verified, devices or a launcher that
@@ -63,7 +66,8 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
                    f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
     with_settings = None
-    if scale == "smoke" and not rows:  # the parity section: its report also feeds the findings
+    if scale == "smoke" and not rows:  # the parity section and the convergence study: the findings read both
+        from repro import convergence as study_module
         from repro import parity as parity_module
 
         found = [row for model in ("gpt2", "vgg16")
@@ -75,6 +79,10 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         # its runs with memory settings, checked against the cost model beside the matrix's cells
         with_settings = ([cell for model in ("gpt2", "vgg16") for cell in parity_module.setting_cells(model, scale)],
                          f"parity-{scale}")
+        # not the matrix's overrides, like the parity configurations: the study fixes its own settings
+        study = study_module.run_study(scale, uri, f"convergence-{scale}", execute=not reports_only)
+        for path in study_module.write(study, reports):
+            click.echo(str(path))
     # this machine's profile for the step-time check: the one kept beside the store, or measured now, once
     platform = machine_profile(uri, measure=True) if scale == "smoke" else None
     for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings, platform=platform):
@@ -122,6 +130,47 @@ def parity(model: str, scale: str, steps: int, configs: str | None, tracking_uri
     broken = parity_module.failed(found)
     if broken:
         fail(f"parity fails for {', '.join(r.name for r in broken)} (see {reports / 'parity.md'})", 1)
+
+
+@click.command()
+@click.option("--scale", type=click.Choice(SCALES), default="smoke", show_default=True)
+@click.option("--seeds", type=click.IntRange(min=2), default=3, show_default=True, help="Seeds per arm (the recipe's, +1, ...).")
+@click.option("--evals", type=click.IntRange(min=1), default=8, show_default=True, help="Validations per run.")
+@click.option("--steps-per-eval", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Training steps between validations (at global batch 8).")
+@click.option("--only", help="Comma-separated words: keep the comparisons whose question or treatment contains one "
+                             "(e.g. staleness,control,zero).")
+@click.option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).")
+@click.option("--experiment", help="MLflow experiment (default: convergence-SCALE).")
+@click.option("--reports", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"), show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a field in every recipe.")
+def convergence(scale: str, seeds: int, evals: int, steps_per_eval: int, only: str | None, tracking_uri: str | None,
+                experiment: str | None, reports: Path, overrides: tuple[str, ...]) -> None:
+    """Staleness, data-parallel identity and Megatron's effective batch, at equal settings over seeds.
+
+    \b
+    Each comparison trains a control and a treatment with the same optimizer, learning rate, global
+    batch, data order and initial weights on GPT-2's reduced model, validated every few tens of steps,
+    on several seeds; the effects are paired by seed, with 95% t intervals, at the target and at the
+    end. Writes reports/convergence.{md,json,png}; `repro table2` runs it at smoke scale and its
+    findings rest on it. Runs are reused by recipe fingerprint.
+
+    \b
+    Examples:
+      repro convergence
+      repro convergence --only control --seeds 2 --evals 2 --steps-per-eval 2
+    """
+    from repro import convergence as study_module
+    from repro import tracking
+
+    chosen = study_module.by_name(only)
+    if not chosen:
+        fail(f"--only {only!r} matches no comparison; groups: {', '.join(dict.fromkeys(c.group for c in study_module.COMPARISONS))}")
+    plan = study_module.Plan(seeds, evals, steps_per_eval)
+    study = study_module.run_study(scale, tracking.tracking_uri(tracking_uri), experiment or f"convergence-{scale}",
+                                   plan, chosen, list(overrides))
+    for path in study_module.write(study, reports):
+        click.echo(str(path))
 
 
 @click.command()

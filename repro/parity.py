@@ -107,23 +107,24 @@ class Row:
     workload: str = "gpt2"
 
 
-def recipe_for(config: Config, workload: str, scale: str, steps: int, extra: list[str]) -> Recipe:
-    """The configuration's recipe at GLOBAL_BATCH: batch_per_gpu follows the framework's batch rule."""
+def recipe_for(config: Config, workload: str, scale: str, steps: int, extra: list[str],
+               global_batch: int = GLOBAL_BATCH) -> Recipe:
+    """The configuration's recipe at `global_batch`: batch_per_gpu follows the framework's batch rule."""
     optimizer = dict(config.optimizer)
     fields = [f"run.framework={config.framework}", f"run.gpus={config.gpus}", "run.nodes=1", "train.epochs=1",
-              f"train.max_steps={steps}", f"data.max_train_samples={steps * GLOBAL_BATCH}",
-              f"data.max_val_samples={GLOBAL_BATCH}", *SMALL[workload], *config.set]
+              f"train.max_steps={steps}", f"data.max_train_samples={steps * global_batch}",
+              f"data.max_val_samples={global_batch}", *SMALL[workload], *config.set]
     for section in ("train", section_key(config.framework)):  # a framework section's optimizer wins
         fields += [f"{section}.optimizer.{key}={value}" for key, value in optimizer.items()]
     fields += list(extra)
     path = recipe_path(workload, scale)
-    # probed at GLOBAL_BATCH per GPU, which splits wherever GLOBAL_BATCH does, on enough samples for it
-    probe = load_file(path, [*fields, f"train.batch_per_gpu={GLOBAL_BATCH}", f"data.max_train_samples={16 * GLOBAL_BATCH**2}"])
-    per_sample = registry.plan_class(config.framework).global_batch(probe) // GLOBAL_BATCH
-    if GLOBAL_BATCH % per_sample:
+    # probed at global_batch per GPU, which splits wherever global_batch does, on enough samples for it
+    probe = load_file(path, [*fields, f"train.batch_per_gpu={global_batch}", f"data.max_train_samples={16 * global_batch**2}"])
+    per_sample = registry.plan_class(config.framework).global_batch(probe) // global_batch
+    if global_batch % per_sample:
         raise RecipeError(str(path), "train.batch_per_gpu",
-                          f"{config.name}'s global batch is a multiple of {per_sample}; {GLOBAL_BATCH} is not")
-    return load_file(path, [*fields, f"train.batch_per_gpu={GLOBAL_BATCH // per_sample}"])
+                          f"{config.name}'s global batch is a multiple of {per_sample}; {global_batch} is not")
+    return load_file(path, [*fields, f"train.batch_per_gpu={global_batch // per_sample}"])
 
 
 def settings_text(recipe: Recipe) -> str:
@@ -178,13 +179,15 @@ def newest_losses(uri: str, experiment: str) -> Callable[[Recipe], list[float] |
     return losses
 
 
-def train(recipes: list[Recipe], uri: str, experiment: str, out: Callable[[str], None]) -> dict[str, str]:
-    """Run the recipes MLflow holds no finished run of; fingerprint -> why one could not run."""
+def train(recipes: list[Recipe], uri: str, experiment: str, out: Callable[[str], None],
+          label: str = "parity") -> dict[str, str]:
+    """Run the recipes MLflow holds no finished run of; fingerprint -> why one could not run. `label`: the
+    progress lines' first word."""
     from repro.table2 import held_fingerprints, run_each
 
     held = held_fingerprints(uri, experiment, retry_failed=True)
     todo = {r.fingerprint(): r for r in recipes if r.fingerprint() not in held}
-    runs = [(f"parity {r.run.framework} {r.run.gpus}g", r) for r in todo.values()]
+    runs = [(f"{label} {r.run.framework} {r.run.gpus}g", r) for r in todo.values()]
     return {key: refusal or f"run failed (exit {code})"
             for key, (code, refusal) in zip(todo, run_each(runs, uri, experiment, out)) if code}
 

@@ -15,6 +15,8 @@ import yaml
 
 from repro.report import settings as run_settings
 from repro.report.collect import Result
+from repro.report.convergence import effect_text, outcomes
+from repro.report.statistics import STALENESS
 from repro.report.evidence import COMM_CHECKS, MEMORY_CHECKS, Results, mib, thresholds_path
 from repro.report.predicted import first_prediction, model_error, paper_gpus_note, timing_error
 
@@ -241,6 +243,31 @@ def with_time(sentences: list[Sentence], timed: Sentence | None) -> list[Sentenc
 
 
 def rq3(res: Results) -> list[Sentence]:
+    """From the convergence study where it ran (staleness at equal settings), the matrix and the parity
+    report then as context; from those alone otherwise."""
+    study = staleness_sentences(res)
+    context = rq3_matrix(res)
+    if not study:
+        return context
+    return study + [Sentence(f"Context, not judged (the matrix trains each framework with its own settings): "
+                             f"{s.text[0].lower()}{s.text[1:]}", s.evidence) for s in context]
+
+
+def staleness_sentences(res: Results) -> list[Sentence]:
+    """The convergence study's staleness comparisons: PipeDream against a synchronous pipeline with the same
+    stages and against one process, at each learning rate, with the step counts."""
+    found = outcomes(res, STALENESS)
+    if not found:
+        return []
+    plan = res.study["plan"]
+    rates = sorted({res.study["arms"][o["treatment"]]["lr"] for o in found if o["treatment"] in res.study["arms"]})
+    head = (f"At equal settings (Adam at lr {' and '.join(f'{lr:g}' for lr in rates)}, global batch 8, {plan['evals'] * plan['steps_per_eval']} "
+            f"steps validated every {plan['steps_per_eval']}, {len(res.study['seeds'])} seeds, "
+            f"{res.study['workload']}'s reduced model; reports/convergence.md): ")
+    return [Sentence(head + "; ".join(effect_text(o) for o in found) + ".", MEASURED)]
+
+
+def rq3_matrix(res: Results) -> list[Sentence]:
     out = []
     for w in res.workloads:
         g = res.most_gpus_beside_others(w, "pipedream")

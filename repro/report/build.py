@@ -43,14 +43,14 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
         settings_checked = model_check.setting_checks(collect(setting_cells, uri, setting_experiment))
     paths += model_check.write(folder, checked, settings_checked)
     predict = predict or model_check.paper_predictor(checked)
-    parity, partings = read_parity(folder)
-    verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict, partings=partings)
-    answered = answers.answer(evidence.Results(results, cores, parity, predict, partings))
+    (parity, partings), study = read_parity(folder), read_study(folder)
+    verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict, partings=partings, study=study)
+    answered = answers.answer(evidence.Results(results, cores, parity, predict, partings, study))
     (folder / "findings.md").write_text(answers.markdown(answered) + "\n" + findings.markdown(verdicts))
     (folder / "findings.json").write_text(json.dumps({"research_questions": [asdict(a) for a in answered],
                                                       "findings": [asdict(f) for f in verdicts]}, indent=2))
     paths += [folder / "findings.md", folder / "findings.json"]
-    paths += [path for path in (folder / "parity.md", folder / "parity.json") if path.is_file()]
+    paths += [path for path in (folder / "parity.md", folder / "parity.json", *study_files(folder)) if path.is_file()]
     if final:
         log_report_run(uri, experiment, scale, paths, results)
     return paths
@@ -103,6 +103,16 @@ def read_parity(folder: Path) -> tuple[list[dict], list[dict]]:
     path = folder / "parity.json"
     report = json.loads(path.read_text()) if path.is_file() else {}
     return report.get("rows", []), report.get("partings", [])
+
+
+def read_study(folder: Path) -> dict | None:
+    """The convergence study's report (repro.convergence), if it is there."""
+    path = folder / "convergence.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def study_files(folder: Path) -> tuple[Path, ...]:
+    return tuple(folder / f"convergence.{ext}" for ext in ("md", "json", "png"))
 
 
 def log_report_run(uri: str, experiment: str, scale: str, paths: list[Path], results: list[Result]) -> None:

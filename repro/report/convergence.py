@@ -1,19 +1,95 @@
 """Findings on statistical efficiency: validation curves per epoch and samples to the target.
 
-The data-parallel frameworks' curves against each other (or, where the matrix trains them differently,
-the parity report's step-by-step runs at equal settings), PipeDream's weight staleness, and Megatron-intra
-against DDP per epoch as the effective batch grows with the GPU count.
+Where the convergence study ran (repro.convergence: equal settings, several seeds, paired effects with 95%
+intervals), the three findings rest on it: the data-parallel frameworks' equivalence, PipeDream's
+staleness against a synchronous pipeline, and Megatron-intra against DDP at equal batch and at its own.
+The matrix's comparisons (the data-parallel frameworks' curves against each other, or the parity report's
+step-by-step runs; PipeDream against the other rows; Megatron-intra against DDP per epoch as the effective
+batch grows) then stay as context, labelled, since the matrix trains each framework with its own settings;
+without the study they are the verdict, as before.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from repro.report import settings as run_settings
 from repro.report.collect import METRIC, Result
-from repro.report.evidence import FAILS, HOLDS, NOT_TESTABLE, Results, better, combine
+from repro.report.evidence import FAILS, HOLDS, INCONCLUSIVE, NOT_TESTABLE, Results, better, combine
+from repro.report.statistics import (AGAINST_SYNC, CONTROL, DIFFERENT, EFFECT, EQUIVALENCE, EQUIVALENT, IDENTITY, MEGATRON,
+                                     NEGATIVE, STALENESS, Interval)
+
+Check = Callable[[Results, dict[str, Any]], tuple[str, list[str]]]
+CONTEXT = "context (the matrix's runs, each framework with its own settings: not judged): "
 
 
-def data_parallel_curves(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
+def outcomes(res: Results, group: str) -> list[dict[str, Any]]:
+    """The convergence study's comparisons of `group` (repro.convergence), with their intervals."""
+    found = [dict(o) for o in (res.study or {}).get("outcomes", []) if o["group"] == group]
+    for o in found:
+        o["at_target"], o["at_end"] = (Interval(**o[k]) if o[k] else None for k in ("at_target", "at_end"))
+    return found
+
+
+def effect_text(o: dict[str, Any]) -> str:
+    """One comparison's effects, as the study reports them."""
+    target = f"samples to the target {o['at_target'].text()}" if o["at_target"] else "target not reached on every seed"
+    end = f"final perplexity {o['at_end'].text()}" if o["at_end"] else "no final interval"
+    margin = f", margin {o['margin']:.1%}" if o["margin"] is not None else ""
+    note = f" ({o['note']})" if o["note"] else ""
+    return (f"{o['treatment']} against {o['control']} ({o['seeds']} seeds, paired, 95% t interval): {target}, "
+            f"{end}{margin}: {o['verdict']}{note}")
+
+
+def study_plan(res: Results) -> str:
+    plan = res.study["plan"]
+    return (f"the convergence study (reports/convergence.md): {res.study['workload']}'s reduced model, equal "
+            f"optimizer, lr, global batch, data order and initial weights, {plan['evals'] * plan['steps_per_eval']} "
+            f"steps validated every {plan['steps_per_eval']}, {len(res.study['seeds'])} seeds")
+
+
+def with_context(study_check: Callable[[Results, dict[str, Any]], tuple[str, list[str]] | None],
+                 matrix_check: Check) -> Check:
+    """The study's verdict where it ran, with the matrix's check as labelled context; else the matrix's."""
+    def check(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
+        judged = study_check(res, t) if res.study else None
+        verdict, notes = matrix_check(res, t)
+        if judged is None:
+            return verdict, notes
+        return judged[0], [*judged[1], *(CONTEXT + note for note in notes)]
+
+    check.__doc__ = matrix_check.__doc__
+    return check
+
+
+def identity_verdict(res: Results, t: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """The data-parallel frameworks against DDP by the equivalence test; the negative control (a changed
+    learning rate) must come out different, else the test cannot tell frameworks apart here."""
+    found, controls = outcomes(res, IDENTITY), outcomes(res, CONTROL)
+    if not found:
+        return None
+    notes = [f"At equal settings, {study_plan(res)}:", *(effect_text(o) for o in found + controls)]
+    negative = next((o for o in controls if o["role"] == NEGATIVE), None)
+    verdicts = {o["verdict"] for o in found}
+    if negative is None or negative["verdict"] != DIFFERENT:
+        notes.append("the negative control (a changed learning rate) is not flagged as different: the test has no "
+                     "power here, so equivalence cannot be claimed")
+        return (FAILS if DIFFERENT in verdicts else INCONCLUSIVE), notes
+    if DIFFERENT in verdicts:
+        return FAILS, notes
+    return (HOLDS if verdicts == {EQUIVALENT} else INCONCLUSIVE), notes
+
+
+def study_data_parallel_curves(res: Results, t: dict[str, Any]) -> tuple[str, list[str]] | None:
+    judged = identity_verdict(res, t)
+    if judged:
+        absent = [line for line in res.study.get("unavailable", []) if line.startswith("lbann")]
+        judged[1].append(f"LBANN is no arm: it cannot share the data order or the optimizer (docs/lbann.md)"
+                         f"{'; ' + absent[0] if absent else ''}; the wall-clock clause is left to the matrix's timed "
+                         "runs (context below)")
+    return judged
+
+
+def data_parallel_curves_in_matrix(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
     """Two clauses: near-identical per-epoch curves (judged on runs with equal settings, else on the
     parity report's), and the best statistical efficiency against wall-clock (judged where timed)."""
     curves, timing, notes = [], [], []
@@ -100,7 +176,39 @@ def parity_curves(res: Results, t: dict[str, Any]) -> tuple[str, str]:
         f"process over {rows[0]['steps']} steps: {listing} (limit {t['parity_tolerance']:.0e})")
 
 
-def pipedream_slower(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
+def slower_by(o: dict[str, Any], t: dict[str, Any]) -> str:
+    """Whether PipeDream is markedly slower in one comparison: samples to the target at least `slower_factor`
+    times the synchronous pipeline's, else (target not reached on every seed) a final metric at least
+    `worse_metric` worse; holds or fails only where the 95% interval lies on one side."""
+    effect, bar = (o["at_target"], t["slower_factor"] - 1) if o["at_target"] else (o["at_end"], t["worse_metric"])
+    if effect is None:
+        return INCONCLUSIVE
+    if effect.low > 0 and effect.mean >= bar:
+        return HOLDS
+    return FAILS if effect.high < bar else INCONCLUSIVE
+
+
+def study_pipedream_slower(res: Results, t: dict[str, Any]) -> tuple[str, list[str]] | None:
+    found = outcomes(res, STALENESS)
+    against_sync = [o for o in found if o["role"] == AGAINST_SYNC]
+    if not against_sync:
+        return None
+    per_rate = [(o, slower_by(o, t)) for o in against_sync]
+    verdicts = {v for _, v in per_rate}
+    verdict = next(iter(verdicts)) if len(verdicts) == 1 else INCONCLUSIVE
+    notes = [f"At equal settings, {study_plan(res)}; markedly slower: samples to the target at least "
+             f"{t['slower_factor']:g}x the synchronous pipeline's with 95% confidence:",
+             *(f"{effect_text(o)}; markedly slower: {v}" for o, v in per_rate),
+             *(effect_text(o) for o in found if o not in against_sync)]
+    if len(verdicts) > 1:
+        notes.append(f"the learning rates disagree ({', '.join(v for _, v in per_rate)}): inconclusive")
+    notes.append("PipeDream here always stashes weights (repro/adapters/pipedream.py): its staleness is measured "
+                 "with stashing, so a slowdown is one that stashing does not cure; a run without stashing is not "
+                 "possible with this adapter")
+    return verdict, notes
+
+
+def pipedream_in_matrix(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
     """Statistical efficiency per sample: epochs to the target, else the final metric."""
     verdicts, notes = [], []
     for w in res.workloads:
@@ -146,7 +254,31 @@ def parity_row(res: Results, framework: str) -> dict[str, Any] | None:
     return max(rows, key=lambda p: p["gpus"]) if rows else None
 
 
-def megatron_statistical_efficiency(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
+def study_megatron(res: Results, t: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """Better per epoch needs Megatron-intra to beat DDP at equal batch (a lower final perplexity, interval
+    below zero); equivalence there puts any gap seen in the matrix on the settings and the batch."""
+    found = outcomes(res, MEGATRON)
+    equal = next((o for o in found if o["test"] == EQUIVALENCE), None)
+    if equal is None:
+        return None
+    batch = next((o for o in found if o["test"] == EFFECT), None)
+    notes = [f"At equal settings, {study_plan(res)}:", *(effect_text(o) for o in found)]
+    better_at_equal = equal["verdict"] == DIFFERENT and equal["at_end"].high < 0
+    costs = batch is not None and batch["at_end"] is not None and batch["at_end"].low > 0
+    if equal["verdict"] == EQUIVALENT:
+        verdict = FAILS
+        notes.append("at equal global batch Megatron-intra trains like DDP: it does not converge better per epoch "
+                     "as a framework; a gap between them is their settings' or their batch's")
+    else:
+        verdict = HOLDS if better_at_equal and costs else INCONCLUSIVE
+    if batch is not None and batch["at_end"] is not None:
+        notes.append(f"the effective batch alone ({batch['treatment']} against {batch['control']}): final perplexity "
+                     f"{batch['at_end'].text()}{' worse' if costs else ''}, the mechanism by which a batch that grows "
+                     "with the GPU count loses per-epoch efficiency")
+    return verdict, notes
+
+
+def megatron_in_matrix(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
     """Per epoch, Megatron-intra against DDP at the lowest and highest GPU counts both ran at."""
     verdicts, notes = [], []
     row, other = t["row"], t["against"]
@@ -183,3 +315,8 @@ def attribution(res: Results, mine: Result, theirs: Result) -> str:
                  f"per-step loss difference {parity['max_abs_diff']:.1e}, {parity['status']}), so the framework's "
                  f"arithmetic is the reference's and the gap is its settings'")
     return text
+
+
+data_parallel_curves = with_context(study_data_parallel_curves, data_parallel_curves_in_matrix)
+pipedream_slower = with_context(study_pipedream_slower, pipedream_in_matrix)
+megatron_statistical_efficiency = with_context(study_megatron, megatron_in_matrix)

@@ -15,6 +15,7 @@ from repro.recipe import configs_dir
 from repro.report.collect import METRIC, Result, not_separable
 
 HOLDS, FAILS, NOT_TESTABLE, UNKNOWN = "holds", "does not hold", "not testable here", "not enough data"
+INCONCLUSIVE = "inconclusive"  # the convergence study's intervals decide neither way (repro.convergence)
 
 
 def thresholds_path() -> Path:
@@ -46,13 +47,15 @@ class Results:
     """Index of the successful results, (workload, row, gpus) -> Result, and what they can show."""
 
     def __init__(self, results: list[Result], cores: int, parity: list[dict[str, Any]] | None = None,
-                 predict: Predictor | None = None, partings: list[dict[str, Any]] | None = None):
+                 predict: Predictor | None = None, partings: list[dict[str, Any]] | None = None,
+                 study: dict[str, Any] | None = None):
         self.ok = {(r.cell.workload, r.cell.row, r.cell.gpus): r for r in results if r.ok}
         self.workloads = sorted({w for w, _, _ in self.ok})
         self.cores = cores
         self.parity = parity or []
         self.partings = partings or []  # the parity report's matrix runs step by step, with its rounding control
         self.predict = predict
+        self.study = study  # the convergence study's report (repro.convergence.to_json), if it ran
 
     def get(self, workload: str, row: str, gpus: int) -> Result | None:
         return self.ok.get((workload, row, gpus))

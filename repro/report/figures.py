@@ -115,3 +115,39 @@ def all_figures(results: list[Result], folder: Path) -> list[Path]:
     found = [epoch_time(results, folder), *memory(results, folder), communication(results, folder),
              *statistical_efficiency(results, folder)]
     return [p for p in found if p]
+
+
+def convergence_curves(study: dict, path: Path) -> Path | None:
+    """The convergence study (repro.convergence, as its JSON): per question, each arm's mean validation
+    curve over the seeds against samples seen, with its 95% t band, and the target."""
+    from repro.report.statistics import t_interval
+
+    groups: dict[str, list[str]] = defaultdict(list)
+    for outcome in study["outcomes"]:
+        for name in (outcome["control"], outcome["treatment"]):
+            if name in study["arms"] and name not in groups[outcome["group"]]:
+                groups[outcome["group"]].append(name)
+    if not groups:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
+    for ax, (group, arms) in zip(axes[0], groups.items()):
+        for name in arms:
+            arm = study["arms"][name]
+            runs = [curve for curve in arm["by_seed"] if curve]
+            length = min((len(curve) for curve in runs), default=0)
+            if len(runs) < 2 or not length:
+                continue
+            bands = [t_interval([curve[i] for curve in runs]) for i in range(length)]
+            x = arm["samples"][:length]
+            line, = ax.plot(x, [b.mean for b in bands], marker="o", markersize=3, label=f"{name} ({len(runs)} seeds)")
+            ax.fill_between(x, [b.low for b in bands], [b.high for b in bands], color=line.get_color(), alpha=0.2)
+        ax.axhline(study["target"], color="grey", linestyle="--", linewidth=1, label=f"target {study['target']:g}")
+        key, higher = METRIC[study["workload"]]
+        ax.set(xlabel="training samples", ylabel=key, title=f"{group} ({'higher' if higher else 'lower'} is better)")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

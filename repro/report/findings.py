@@ -43,12 +43,13 @@ CHECKS: dict[str, Callable[[Results, dict[str, Any]], tuple[str, list[str]]]] = 
 
 def judge(results: list[Result], path: Path | None = None, parity: list[dict[str, Any]] | None = None,
           cores: int | None = None, predict: Predictor | None = None,
-          partings: list[dict[str, Any]] | None = None) -> list[Finding]:
+          partings: list[dict[str, Any]] | None = None, study: dict[str, Any] | None = None) -> list[Finding]:
     """Every finding's verdict; `parity`: the parity report's rows, `cores`: this machine's (default),
     `predict`: the cost model at paper scale (none: the findings say that predictions are not available),
-    `partings`: the parity report's matrix runs step by step, with its rounding control."""
+    `partings`: the parity report's matrix runs step by step, with its rounding control; `study`: the
+    convergence study's report, on which the statistical-efficiency findings rest where it ran."""
     thresholds = yaml.safe_load((path or thresholds_path()).read_text())
-    indexed = Results(results, cores or cpu_cores(), parity, predict, partings)
+    indexed = Results(results, cores or cpu_cores(), parity, predict, partings, study)
     findings = []
     for key, check in CHECKS.items():
         verdict, notes = check(indexed, thresholds[key])
