@@ -207,7 +207,7 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
     """
     from repro.hardware import paper_gpu_memory
     from repro.model.flops import step_flops
-    from repro.model.predict import matrix_predictions, memory_minimum, paper_fit
+    from repro.model.predict import matrix_predictions, memory_minimum, paper_devices, paper_fit
 
     if platform_name:
         return print_times(models or MODELS, scale, platform_name)
@@ -241,13 +241,15 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
             lowest, shape = memory_minimum(intra)
             click.echo(f"  megatron-intra's peak per GPU is lowest at {lowest} GPU{'s' if lowest > 1 else ''} ({shape})")
         if over and scale == "paper":
-            click.echo("  against the paper's GPUs (its Table 2), the recipe as written (no activation checkpointing, "
-                       "one micro-batch per step):")
+            click.echo(f"  against the paper's GPUs (its Table 2), under configs/{workload}-paper.yaml's settings "
+                       "(each framework's own recompute and micro-batches, train_by_framework):")
+        why = {(e["row"], e["gpus"]): e["why"] for e in paper_devices(workload)} if over and scale == "paper" else {}
         for row, points in over.items() if scale == "paper" else ():
             gpus, worst = max(points, key=lambda point: point[1].estimated_peak)
             counts = [g for g, _ in points]
             click.echo(f"    {row} at {counts[0]}{f'-{counts[-1]} GPUs' if len(counts) > 1 else ' GPU'}, most at {gpus} "
-                       f"({gib(worst.estimated_peak)} GiB): {paper_fit(worst.estimated_peak, worst.model_state)}")
+                       f"({gib(worst.estimated_peak)} GiB): {paper_fit(worst.estimated_peak, worst.model_state)}; "
+                       f"why: {why[row, gpus]}")
 
 
 def device(option: str, text: str) -> tuple[str, float]:

@@ -89,6 +89,13 @@ CONFIGS = (
            unchanged_by=("torchgpipe.checkpoint=always",)),  # against its default, except_last
     Config("zero-2-micro", "zero", 2, ("train.micro_batch=2",), cpu_tolerance=1e-6),  # DeepSpeed's gradient accumulation
     Config("zero-2-recompute", "zero", 2, ("train.recompute=full",), unchanged_by=("train.recompute=full",)),
+    Config("megatron-tp2-micro", "megatron", 2, ("megatron.tp=2", "train.micro_batch=2"), cpu_tolerance=1e-6),  # its schedule
+    *(Config(f"megatron-tp2-{mode}-dropout", "megatron", 2, ("megatron.tp=2", "model.dropout=0.1", f"train.recompute={mode}"),
+             unchanged_by=(f"train.recompute={mode}",)) for mode in ("selective", "full")),  # its CheckpointFunction restores the RNG
+    Config("fsdp-2-micro", "fsdp", 2, ("train.micro_batch=2",), cpu_tolerance=1e-6),  # gradient sync off but for the last
+    Config("fsdp-2-recompute", "fsdp", 2, ("train.recompute=full",), unchanged_by=("train.recompute=full",)),
+    Config("fsdp-2-recompute-dropout", "fsdp", 2, ("model.dropout=0.1", "train.recompute=full"),
+           unchanged_by=("train.recompute=full",)),
 )
 
 

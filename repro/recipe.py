@@ -3,7 +3,9 @@
 A recipe file (configs/{model}-{scale}.yaml) holds the workload's fixed hyper-parameters; the
 command line adds the run's shape (framework, GPU count, nodes) and any `--set key=value`.
 Each component receives only its own section: the workload gets `model`, an adapter gets its
-framework section, the loop gets `train`.
+framework section, the loop gets `train`. A file's `train_by_framework` section sets `train` fields for
+one framework only (its memory settings: each framework's own recompute and micro-batches), below any
+`--set` of the same field.
 """
 from __future__ import annotations
 
@@ -221,6 +223,9 @@ def resolve(raw: Any, source: str, overrides: list[str] = (), flags: dict[str, s
 
     for text in overrides:
         setters[apply_override(raw, text, blame)] = (flags or {}).get(text, f"--set {text}")
+    run = raw.get("run")
+    framework = run.get("framework", RunSpec.framework) if isinstance(run, dict) else RunSpec.framework
+    fold_framework_train(raw, source, framework, setters)
     try:
         recipe = _build(raw, source)
     except RecipeError as error:
@@ -228,6 +233,30 @@ def resolve(raw: Any, source: str, overrides: list[str] = (), flags: dict[str, s
     if overrides:
         recipe.source = f"{source} (with --set {' --set '.join(overrides)})"
     return recipe
+
+
+TRAIN_BY_FRAMEWORK = "train_by_framework"
+
+
+def fold_framework_train(raw: dict[str, Any], source: str, framework: str, kept: Any = ()) -> None:
+    """Pop the file's `train_by_framework` section and set `framework`'s entry's fields in `train`, except
+    those named in `kept` ("train.micro_batch", as the command line set them): a framework's own memory
+    settings apply to its runs alone, and a --set wins over them."""
+    section = raw.pop(TRAIN_BY_FRAMEWORK, None) or {}
+    if not isinstance(section, dict):
+        raise RecipeError(source, TRAIN_BY_FRAMEWORK, f"expected a mapping of framework -> train fields, got "
+                          f"{type(section).__name__}")
+    for name, fields in section.items():
+        if name not in registry.FRAMEWORKS:
+            raise RecipeError(source, f"{TRAIN_BY_FRAMEWORK}.{name}", f"unknown framework {name!r}; valid: "
+                              f"{', '.join(registry.FRAMEWORKS)}")
+        if not isinstance(fields, dict):
+            raise RecipeError(source, f"{TRAIN_BY_FRAMEWORK}.{name}", f"expected a mapping of train fields, got "
+                              f"{type(fields).__name__}")
+    train = raw.setdefault("train", {})
+    for key, value in (section.get(framework) or {}).items():
+        if f"train.{key}" not in kept and isinstance(train, dict):
+            train[key] = value
 
 
 def _build(raw: dict[str, Any], source: str) -> Recipe:

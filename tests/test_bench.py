@@ -129,3 +129,20 @@ def test_the_paired_overhead_job_alternates_kit_and_baseline_blocks(tmp_path: Pa
     assert [pair["kit_steps"] for pair in found["pairs"]] == [64, 64]  # no warm-up steps after the first block
     assert all(0 < pair[side] < 1 for pair in found["pairs"] for side in ("kit", "minimal"))
     assert all(0 < pair["harness_us"] < pair["kit"] * 1e6 for pair in found["pairs"])  # the loop's own time, a part of a step
+
+
+@pytest.mark.units
+def test_memory_peer_asks_the_estimators_about_the_recipes_cells() -> None:
+    """bench/memory_peer.py hands llm-analysis the kit's cells as the recipe sets them: DDP and ZeRO at micro-
+    batches of 8 accumulated 4 times with full recompute (llm-analysis's 2), Megatron's tp group 4 x tp
+    sequences a pass, no sequence parallelism; a peer that is not installed gives no figures, not an error."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import memory_peer
+
+    args = {row.label: memory_peer.peer_args(row, memory_peer.kit(row)[0]) for row in memory_peer.rows(64)}
+    assert args["ddp"] == {"batch_size_per_gpu": 8, "gradient_accumulation_steps": 4, "seq_len": 1024,
+                           "activation_recomputation": 2, "ds_zero": 0, "tp_size": 1, "sp_size": 1, "total_num_gpus": 64}
+    assert [args[f"zero-{s}"]["ds_zero"] for s in (1, 2, 3)] == [1, 2, 3]
+    assert {key: args["megatron tp=8"][key] for key in ("batch_size_per_gpu", "gradient_accumulation_steps", "tp_size")} == {
+        "batch_size_per_gpu": 32, "gradient_accumulation_steps": 8, "tp_size": 8}
+    assert memory_peer.llm_analysis(sys.executable, args["ddp"]) is None  # this environment has no llm_analysis

@@ -164,6 +164,23 @@ CELLS = {
     "zero1-2-micro": ("zero", 2, ["zero.stage=1", "train.micro_batch=2"]),
     "zero3-2-micro": ("zero", 2, ["zero.stage=3", "train.micro_batch=2"]),
     "zero-4-micro": ("zero", 4, ["train.micro_batch=4"]), "zero3-2-recompute": ("zero", 2, ["zero.stage=3", "train.recompute=full"]),
+    # FSDP2: the recomputation gathers nothing more; each micro-batch gathers again, and between them every
+    # whole gradient is held (gradient sync off); grad-op gathers once per micro-batch
+    "fsdp-2-recompute": ("fsdp", 2, ["train.recompute=full"]), "fsdp-2-micro": ("fsdp", 2, ["train.micro_batch=2"]),
+    "fsdp-4-grad-op-recompute2-micro": ("fsdp", 4, ["fsdp.sharding=grad-op", "train.recompute=full",
+                                                    "train.recompute_layers=2", "train.micro_batch=4"]),
+    # Megatron: micro-batches through megatron-core's schedule; at tp=1 the embedding saves the token ids, a
+    # view of the whole batch
+    "megatron-1-micro": ("megatron", 1, ["train.micro_batch=2"]),
+    "megatron-tp2-4-micro": ("megatron", 4, ["megatron.tp=2", "train.micro_batch=4"]),
+    # megatron-core's recompute: selective drops attention's core, recomputed layer by layer in backward; full
+    # keeps each recomputed layer's input (the block method: the first 2 of 4 layers)
+    "megatron-tp2-2-selective": ("megatron", 2, ["megatron.tp=2", "train.recompute=selective"]),
+    "megatron-tp2-2-selective-dropout": ("megatron", 2, ["megatron.tp=2", "train.recompute=selective", "model.dropout=0.1"]),
+    "megatron-1-full": ("megatron", 1, ["train.recompute=full"]),
+    "megatron-tp2-2-full2-micro": ("megatron", 2, ["megatron.tp=2", "train.recompute=full", "train.recompute_layers=2",
+                                                   "train.micro_batch=2"]),
+    "fsdp-2-vgg16-recompute-micro": ("fsdp", 2, ["train.recompute=full", "train.micro_batch=4"], "vgg16"),
     # fp16 (issue 39): DeepSpeed's own fp16 mode keeps the module, its gradients and their reductions in fp16
     # (2 bytes an element; costs.deepspeed_element), the master partition and Adam's moments in fp32
     "zero-2-fp16": ("zero", 2, ["train.precision=fp16"]), "zero3-2-fp16": ("zero", 2, ["zero.stage=3", "train.precision=fp16"]),
@@ -397,11 +414,12 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     assert all(any(line.startswith(f"{w}, paper scale") for line in lines) for w in ("gpt2", "vgg16"))
     gpt2 = lines[next(i for i, line in enumerate(lines) if line.startswith("gpt2")):]
     ddp64 = next(line.split() for line in gpt2 if line.split()[:2] == ["ddp", "64"])
-    cell = costs.Cell(GPT2Shape(24, 1024, 16, 1024, 50257, 0.1), "ddp", 64, 32, "lamb", "bf16", {"weight_decay": 0.01})
+    shape = GPT2Shape(24, 1024, 16, 1024, 50257, 0.1)  # the recipe's DDP: every block recomputed, micro-batches of 8
+    cell = costs.Cell(shape, "ddp", 64, 32, "lamb", "bf16", micro_batch=8, recomputed=24)
     medium = costs.predict(cell)
     assert ddp64[2:5] == [f"{medium.model_state / 2**30:.2f}", f"{medium.activations / 2**30:.2f}",
-                          f"{medium.estimated_peak / 2**30:.2f}"] and ddp64[-1] == "none"  # 38 GiB: no V100 holds it
-    assert ddp64[6] == f"{flops.step_flops(cell).total / 1e9:.0f}"  # about 6 x parameters x tokens, plus attention
+                          f"{medium.estimated_peak / 2**30:.2f}"] == ["6.61", "1.95", "8.56"] and ddp64[-1] == "V100"
+    assert ddp64[6] == f"{flops.step_flops(cell).total / 1e9:.0f}"  # about 6 x parameters x tokens, plus attention and recompute
     from repro.model.predict import memory_minimum, predict_row
 
     intra = {g: predict_row("gpt2", "megatron-intra", g) for g in (1, 2, 4, 8, 16, 32, 64)}
@@ -411,28 +429,35 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
 
 @pytest.mark.units
 def test_paper_scale_rows_say_whether_the_papers_gpus_hold_them():
-    """Table 2's GPUs (per node / GPUs per node) against GPT-2-medium's predicted peaks as the recipe is
-    written: DDP's 38.43 GiB fits an A100 40 GB, not a V100 16 GB; Megatron-intra at 8 GPUs fits neither,
-    almost all of it activations; the 1F1B pipeline at 16 GPUs fits both."""
+    """Table 2's GPUs (per node / GPUs per node) against GPT-2-medium's predicted peaks under the recipe:
+    PipeDream's 34.89 GiB at 16 GPUs (fp32, every activation kept: it applies no memory setting) fits an
+    A100 40 GB, not a V100 16 GB, and says why; at 1 GPU (62.58 GiB) it fits neither, almost all of it
+    activations; Megatron-intra at 8 GPUs (Megatron-LM's example: every layer recomputed, micro-batches of 4)
+    and the 1F1B pipeline at 16 GPUs fit both."""
     from repro.hardware import GPU_MEMORY_GIB, paper_gpu_memory
     from repro.model.predict import paper_fit, predict_row
 
     assert paper_gpu_memory() == {"V100-16GB": 16.0, "A100-40GB": 40.0}
     assert {name: GPU_MEMORY_GIB[name] for name in paper_gpu_memory()} == paper_gpu_memory()
-    ddp, intra, pipe = (predict_row("gpt2", row, g) for row, g in (("ddp", 64), ("megatron-intra", 8), ("torch-1f1b", 16)))
-    assert round(ddp.estimated_peak / 2**30, 2) == 38.43 and round(intra.estimated_peak / 2**20) == 174_247
+    ddp, over, intra, pipe = (predict_row("gpt2", row, g) for row, g in (
+        ("pipedream", 16), ("pipedream", 1), ("megatron-intra", 8), ("torch-1f1b", 16)))
+    assert round(ddp.estimated_peak / 2**30, 2) == 34.89 and round(intra.estimated_peak / 2**20) == 3_176
     assert paper_fit(ddp.estimated_peak, ddp.model_state) == (
         "over the paper's V100-16GB: its runs there cannot have held this much; activations dominate "
-        "(82.8% activations, 17.2% model state)")
-    assert paper_fit(intra.estimated_peak, intra.model_state) == (
+        "(88.8% activations, 11.2% model state)")
+    assert paper_fit(over.estimated_peak, over.model_state) == (
         "over the paper's V100-16GB and A100-40GB: its runs there cannot have held this much; activations dominate "
-        "(99.6% activations, 0.4% model state)")
+        "(89.4% activations, 10.6% model state)")
+    assert paper_fit(intra.estimated_peak, intra.model_state) == "fits the paper's V100-16GB and A100-40GB"
     assert paper_fit(pipe.estimated_peak, pipe.model_state) == "fits the paper's V100-16GB and A100-40GB"
     assert paper_fit(20 * 2**30, 15 * 2**30).endswith("model state dominate (25.0% activations, 75.0% model state)")
     out = subprocess.run([sys.executable, "-m", "repro.cli", "predict", "--model", "gpt2"], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert ("    megatron-intra at 1-16 GPUs, most at 16 (231.19 GiB): over the paper's V100-16GB and A100-40GB: its "
-            "runs there cannot have held this much; activations dominate (99.8% activations, 0.2% model state)") in out
+    assert next(line for line in out if line.startswith("    pipedream at 1-16 GPUs, most at 1 (62.58 GiB)")).endswith(
+        "why: train.recompute and train.micro_batch refused: PipeDream has no such mechanism: each stage keeps every "
+        "in-flight mini-batch's activations for its backward against the stashed weights, and a mini-batch is one step "
+        "(no accumulation)")
+    assert not any(line.startswith(("    ddp at", "    zero at", "    fsdp at", "    megatron")) for line in out)  # their settings fit a V100
     assert not any(line.startswith("    torch-1f1b at 1-") for line in out)  # from 2 GPUs on it fits a V100
 
 
@@ -496,7 +521,7 @@ def test_megatron_activations_are_the_local_specs_only(monkeypatch):
 
 @pytest.mark.units
 def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
-    from repro.model.predict import predict_row
+    from repro.model.predict import predict, predict_row
     from repro.report.evidence import Results
     from repro.report.model_check import paper_predictor
     from repro.report.predicted import megatron_memory_predicted
@@ -504,10 +529,18 @@ def test_megatron_intras_memory_minimum_is_quoted_as_the_models_prediction():
     res = Results([], 2, predict=paper_predictor([]))
     res.workloads = ["gpt2", "vgg16"]
     gpt2, vgg16 = megatron_memory_predicted(res, {"row": "megatron-intra"})
-    peaks = {g: predict_row("gpt2", "megatron-intra", g).estimated_peak for g in (1, 2, 16)}
-    assert peaks[1] < peaks[2] < peaks[16]  # the tp group's batch grows with tp; the split terms do not shrink per rank
-    assert "lowest at 1 GPU (no U: rises from 1 to 16 GPUs" in gpt2 and f"16 GPUs {peaks[16] / 2**20:.2f} MiB" in gpt2
+    # under Megatron-LM's example (every layer recomputed, micro-batches of 4) model state falls with tp faster
+    # than the tp group's growing batch adds activations up to 4 GPUs, slower beyond: the paper's U
+    peaks = {g: predict_row("gpt2", "megatron-intra", g).estimated_peak for g in (1, 2, 4, 8, 16)}
+    assert peaks[1] > peaks[2] > peaks[4] < peaks[8] < peaks[16]
+    assert "(every block recomputed, micro-batches of 4), memory per GPU lowest at 4 GPUs (a U; local layer spec)" in gpt2
+    assert f"16 GPUs {peaks[16] / 2**20:.2f} MiB" in gpt2 and round(peaks[4] / 2**20, 2) == 3002.01
+    assert ("from 1 to 16 GPUs model state x0.07 (5414.17 MiB -> 355.54 MiB), activations x4.20 (998.59 MiB -> "
+            "4194.57 MiB)") in gpt2
     assert "predicted by the cost model" in gpt2 and "not modelled for this workload" in vgg16
+    # every activation kept (the recipe without its settings), the peak only rises: no U
+    kept = [predict("gpt2", "megatron", g, sets=[f"megatron.tp={g}", *UNSET]).estimated_peak for g in (1, 2, 4, 8, 16)]
+    assert kept == sorted(kept) and round(kept[-1] / 2**30, 2) == 231.19
 
 
 # -- repro predict --fit and the setting a refusal names (issue 39) --------------------------------------
@@ -528,43 +561,87 @@ def fits(workload: str, size_gib: float) -> dict[tuple[str, int], Fit]:
     return {(entry["row"], entry["gpus"]): entry["fit"] for entry in matrix_fits(workload, size_gib * GIB)}
 
 
+# the paper recipe without its frameworks' own memory settings (train_by_framework): where fit's search starts
+UNSET = ("train.recompute=null", "train.micro_batch=null")
+
+
+def unset_fit(framework: str, gpus: int, size_gib: float) -> Fit:
+    """predict --fit's choice for GPT-2 at paper scale from the recipe without memory settings (UNSET)."""
+    from repro.model.predict import fit, recipe_cell
+
+    return fit(recipe_cell("gpt2", framework, gpus, sets=UNSET), size_gib * GIB)
+
+
+# Paper cells off the V100-16GB under the recipes' settings: the smallest of the paper's GPUs each fits (None:
+# neither), all of them rows whose framework applies no memory setting (configs/*-paper.yaml say why)
+OFF_V100 = {
+    "vgg16": {("pipedream", 4): "A100-40GB", ("pipedream", 8): "A100-40GB", ("pipedream", 16): "A100-40GB"},
+    "gpt2": {("pipedream", 1): None, ("pipedream", 2): None, ("pipedream", 4): None, ("pipedream", 8): None,
+             ("pipedream", 16): "A100-40GB", ("torch-1f1b", 1): "A100-40GB"},
+}
+
+
+@pytest.mark.units
+@pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
+def test_every_paper_cell_fits_the_v100_or_says_why_not(workload):
+    """Under configs/*-paper.yaml's own settings (train_by_framework) every modelled cell of the matrix fits
+    the paper's V100-16GB, except OFF_V100's, whose frameworks apply no memory setting: each says so, and
+    fits the A100-40GB or neither as listed. None is off the V100 for want of a setting its framework has."""
+    from repro.model.predict import paper_devices
+
+    entries = paper_devices(workload)
+    assert len(entries) >= 30
+    off = {(e["row"], e["gpus"]): e for e in entries if e["device"] != "V100-16GB"}
+    assert {cell: e["device"] for cell, e in off.items()} == OFF_V100[workload]
+    for entry in off.values():
+        assert entry["fit"].peak is None and entry["why"].startswith("train.recompute and train.micro_batch refused: ")
+    assert all(not e["why"] and e["fit"].sets == () for e in entries if e["device"] == "V100-16GB")
+
+
 @pytest.mark.units
 def test_fit_chooses_micro_batches_before_recompute_with_the_models_peak_for_the_recipe_with_it():
     """GPT-2-medium at paper scale on a V100-16GB: DDP fits with micro-batches of 8 (16 does not), though full
     recompute alone would fit too (recompute costs a forward again); ZeRO-2 at 1 GPU needs 4, its accumulated
-    partition (4 Psi bytes more with k > 1) pushing 8 over. On an A100-40GB DDP fits as written."""
-    v100 = fits("gpt2", 16)
+    partition (4 Psi bytes more with k > 1) pushing 8 over. On an A100-40GB DDP fits without either; all from the
+    recipe without memory settings (UNSET)."""
     for gpus in (1, 64):
-        chosen = v100[("ddp", gpus)]
+        chosen = unset_fit("ddp", gpus, 16)
         assert chosen.sets == ("train.micro_batch=8",) and chosen.setting() == "--set train.micro_batch=8"
-        assert chosen.peak == paper_peak("gpt2", "ddp", gpus, "train.micro_batch=8")
+        assert chosen.peak == paper_peak("gpt2", "ddp", gpus, *UNSET, "train.micro_batch=8")
         assert round(chosen.peak / GIB, 2) == 14.56 and round(chosen.as_written / GIB, 2) == 38.43
-    assert paper_peak("gpt2", "ddp", 1, "train.micro_batch=16") > 16 * GIB
-    assert paper_peak("gpt2", "ddp", 1, "train.recompute=full") <= 16 * GIB
-    zero = v100[("zero", 1)]
-    assert zero.sets == ("train.micro_batch=4",) and zero.peak == paper_peak("gpt2", "zero", 1, "train.micro_batch=4")
-    assert paper_peak("gpt2", "zero", 1, "train.micro_batch=8") > 16 * GIB
-    a100 = fits("gpt2", 40)[("ddp", 1)]
-    assert a100.sets == () and a100.peak == a100.as_written == paper_peak("gpt2", "ddp", 1)
+    assert paper_peak("gpt2", "ddp", 1, *UNSET, "train.micro_batch=16") > 16 * GIB
+    assert paper_peak("gpt2", "ddp", 1, *UNSET, "train.recompute=full") <= 16 * GIB
+    zero = unset_fit("zero", 1, 16)
+    assert zero.sets == ("train.micro_batch=4",) and zero.peak == paper_peak("gpt2", "zero", 1, *UNSET, "train.micro_batch=4")
+    assert paper_peak("gpt2", "zero", 1, *UNSET, "train.micro_batch=8") > 16 * GIB
+    a100 = unset_fit("ddp", 1, 40)
+    assert a100.sets == () and a100.peak == a100.as_written == paper_peak("gpt2", "ddp", 1, *UNSET)
 
 
 @pytest.mark.units
 def test_fit_recomputes_the_fewest_blocks_and_says_why_a_cell_cannot_fit():
     """At 7 GiB DDP needs micro-batches of 1 and 20 of GPT-2-medium's 24 blocks recomputed (19 do not fit);
     ZeRO-2 at 1 GPU does not fit even with all of it, and says its smallest peak; Megatron and PipeDream
-    apply no memory setting and say why."""
+    apply no memory setting and say why (torch's 1F1B: its micro-batches are its schedule's), while Megatron fits by recomputing 14
+    of its 24 layers (the block method) at micro-batches of 1."""
     small = fits("gpt2", 7)
-    ddp = small[("ddp", 1)]
+    ddp = unset_fit("ddp", 1, 7)
     sets = ("train.recompute=full", "train.recompute_layers=20", "train.micro_batch=1")
-    assert ddp.sets == sets and ddp.peak == paper_peak("gpt2", "ddp", 1, *sets) <= 7 * GIB
-    assert paper_peak("gpt2", "ddp", 1, "train.recompute=full", "train.recompute_layers=19", "train.micro_batch=1") > 7 * GIB
-    zero = small[("zero", 1)]
-    smallest = paper_peak("gpt2", "zero", 1, "train.recompute=full", "train.micro_batch=1")
+    assert ddp.sets == sets and ddp.peak == paper_peak("gpt2", "ddp", 1, *UNSET, *sets) <= 7 * GIB
+    assert paper_peak("gpt2", "ddp", 1, *UNSET, "train.recompute=full", "train.recompute_layers=19",
+                      "train.micro_batch=1") > 7 * GIB
+    assert small[("ddp", 1)].sets == sets  # the same from the recipe's own settings (every block, micro-batches of 8)
+    zero = unset_fit("zero", 1, 7)
+    smallest = paper_peak("gpt2", "zero", 1, *UNSET, "train.recompute=full", "train.micro_batch=1")
     assert zero.peak is None and zero.why_not == (
         f"over even with --set train.recompute=full --set train.micro_batch=1: {smallest / GIB:.2f} GiB")
     assert smallest > 7 * GIB
-    megatron, pipedream = small[("megatron-data", 1)], small[("pipedream", 2)]
-    assert megatron.peak is None and megatron.why_not == "train.recompute and train.micro_batch refused: not yet applied by the kit"
+    megatron, pipedream, schedule = unset_fit("megatron", 1, 7), small[("pipedream", 2)], small[("torch-1f1b", 1)]
+    sets = ("train.recompute=full", "train.recompute_layers=14", "train.micro_batch=1")
+    assert megatron.sets == sets and megatron.peak == paper_peak("gpt2", "megatron", 1, *UNSET, *sets) <= 7 * GIB
+    assert small[("megatron-data", 1)].sets == () and small[("megatron-data", 1)].peak == paper_peak("gpt2", "megatron", 1)
+    assert schedule.peak is None and schedule.why_not.startswith(
+        "train.recompute and train.micro_batch refused: its micro-batches are the schedule's own: set torch_pipeline.microbatches")
     assert pipedream.why_not.startswith("train.recompute and train.micro_batch refused: PipeDream has no such mechanism")
 
 
@@ -576,8 +653,8 @@ def test_fits_bisection_finds_what_the_whole_search_finds(workload):
     from repro import registry
     from repro.model.predict import fit, micro_batches, overrides, recipe_cell
 
-    for framework in ("ddp", "zero"):
-        cell = recipe_cell(workload, framework, 2)
+    for framework in ("ddp", "zero", "fsdp", *(("megatron",) if workload == "gpt2" else ())):
+        cell = recipe_cell(workload, framework, 2, sets=[*UNSET, *(["megatron.tp=2"] if framework == "megatron" else [])])
         every = [dataclasses.replace(cell, recomputed=n, micro_batch=m) for n in range(len(cell.shape.blocks()) + 1)
                  for m in micro_batches(cell, registry.plan_class(framework))]
         peaks = [costs.predict(candidate).fit_bytes for candidate in every]
@@ -607,9 +684,10 @@ def test_predict_fit_prints_each_cells_setting_and_how_many_fit_without_torch():
     assert "torch" not in {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     lines = out.stdout.splitlines()
     assert lines[0].startswith("gpt2, paper scale, fitted to V100-16GB (16 GiB)")
-    peak = paper_peak("gpt2", "ddp", 8, "train.micro_batch=8")
-    assert f"  {'ddp':<16}{8:>5}{38.43:>9.2f}{peak / GIB:>9.2f}  --set train.micro_batch=8" in lines
-    assert "  megatron-data       1   121.09        -  train.recompute and train.micro_batch refused: not yet applied by the kit" in lines
+    peak = paper_peak("gpt2", "ddp", 8)  # the recipe's own settings fit
+    assert round(peak / GIB, 2) == 8.56 and f"  {'ddp':<16}{8:>5}{peak / GIB:>9.2f}{peak / GIB:>9.2f}  as written" in lines
+    megatron = paper_peak("gpt2", "megatron", 1)  # Megatron-LM's example: every layer recomputed, micro-batches of 4
+    assert round(megatron / GIB, 2) == 6.26 and f"  {'megatron-data':<16}{1:>5}{megatron / GIB:>9.2f}{megatron / GIB:>9.2f}  as written" in lines
     chosen = fits("gpt2", 16)
     fitted = sum(f.peak is not None for f in chosen.values())
     torchgpipe = sum(row == "torchgpipe" for row, _ in chosen)  # fits by model state: its GPU activations are not modelled

@@ -49,6 +49,12 @@ PINNED_SOURCE = {
     "megatron.core.transformer.utils:get_default_causal_mask": "4638b2c6665fc284",
     "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward_torch_softmax": "af74f78c0020665e",
     "megatron.core.transformer.dot_product_attention:DotProductAttention.forward": "1450046fe34ea330",
+    "megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining": "84399467bcc06296",
+    "megatron.core.tensor_parallel.random:_get_all_rng_states": "0fd22c8e723e13ee",
+    "megatron.core.tensor_parallel.random:_set_all_rng_states": "ecfe91a8fe3d8a00",
+    "megatron.core.tensor_parallel.random:_fork_rng": "5a75f51c563dd3e2",
+    "megatron.core.tensor_parallel.random:CheckpointFunction.forward": "07b45db6c50f404b",
+    "megatron.core.tensor_parallel.random:CheckpointFunction.backward": "43b157a2ebec22ef",
 }
 
 
@@ -75,7 +81,8 @@ def cpu_adaptations(monkeypatch):
     from megatron.core.tensor_parallel import random as mcore_random
 
     for module, name in ((parallel_state, "_GLOBAL_MEMORY_BUFFER"), (mcore_random, "_CUDA_RNG_STATE_TRACKER"),
-                         (mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED")):
+                         (mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED"), (mcore_random, "_get_all_rng_states"),
+                         (mcore_random, "_set_all_rng_states")):
         assert hasattr(module, name), f"pin guard: megatron-core has no {module.__name__}.{name} any more"
         monkeypatch.setattr(module, name, getattr(module, name))
     megatron_cpu.install()
@@ -112,6 +119,44 @@ def test_cpu_tracker_keeps_its_own_stream(cpu_adaptations):
     assert torch.equal(outer, torch.rand(5))
     with pytest.raises(ValueError, match="already added"):
         tracker.add("model-parallel-rng", 99)
+
+
+@pytest.mark.units
+def test_megatron_cores_checkpoint_recomputes_the_same_dropout_on_the_cpu(cpu_adaptations):
+    """CheckpointFunction (recompute) saves the RNG states before its forward and restores them before
+    recomputing, through megatron_cpu's CPU states: the CPU generator's dropout and the tracker's stream draw
+    the same masks again, so the gradient is the plain one, bit for bit."""
+    _, mcore_random = cpu_adaptations
+    tracker = mcore_random.get_cuda_rng_tracker()
+    tracker.add("model-parallel-rng", 1234)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork():
+            inner = torch.nn.functional.dropout(x, 0.5)
+        return torch.nn.functional.dropout(inner * x, 0.5)
+
+    def gradient(recompute: bool) -> torch.Tensor:
+        torch.manual_seed(3)
+        tracker.set_states({"model-parallel-rng": megatron_stream(1234)})
+        x = torch.rand(64, requires_grad=True)
+        (mcore_random.checkpoint(block, False, x) if recompute else block(x)).sum().backward()
+        return x.grad
+
+    assert torch.equal(gradient(True), gradient(False))
+
+
+def megatron_stream(seed: int) -> torch.Tensor:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.get_rng_state()
+
+
+@pytest.mark.units
+def test_the_schedules_cuda_allocations_land_on_the_cpu():
+    with megatron_cpu.CudaAllocationsOnCpu():
+        count = torch.zeros([], dtype=torch.int, device="cuda")
+        plain = torch.ones(2) + 1
+    assert count.device.type == "cpu" and plain.tolist() == [2.0, 2.0]
 
 
 @pytest.mark.units

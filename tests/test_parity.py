@@ -97,18 +97,22 @@ def test_recompute_is_held_to_its_own_configuration_bit_for_bit_and_micro_batche
 
 
 @pytest.mark.end_to_end
-def test_recompute_changes_no_bit_and_micro_batches_stay_within_1e6(repro, tmp_path: Path):
-    result = repro("parity", "--configs", "ddp-2-micro,ddp-2-recompute-dropout", "--steps", "3",
-                   "--reports", str(tmp_path / "reports"))
+@pytest.mark.parametrize("micro,recomputes", [
+    ("ddp-2-micro", ["ddp-2-recompute-dropout"]), ("fsdp-2-micro", ["fsdp-2-recompute-dropout"]),
+    ("megatron-tp2-micro", ["megatron-tp2-selective-dropout", "megatron-tp2-full-dropout"]),
+], ids=["ddp", "fsdp", "megatron"])
+def test_recompute_changes_no_bit_and_micro_batches_stay_within_1e6(repro, tmp_path: Path, micro: str, recomputes: list[str]):
+    result = repro("parity", "--configs", ",".join([micro, *recomputes]), "--steps", "3", "--reports", str(tmp_path / "reports"))
     assert result.returncode == 0, result.stderr[-2000:]
     rows = {row["name"]: row for row in json.loads((tmp_path / "reports" / "parity.json").read_text())["rows"]}
-    assert rows["ddp-2-recompute-dropout"]["max_abs_diff"] == 0.0 and rows["ddp-2-recompute-dropout"]["status"] == "pass"
-    assert rows["ddp-2-micro"]["max_abs_diff"] <= 1e-6 and rows["ddp-2-micro"]["status"] == "pass"
-    # each run (the two, their controls, the reference) checked the cost model against its counters, its
-    # communication counted though it is shorter than the warm-up: every error within its bound (dropout included),
-    # the FLOPs exact (recompute with dropout: SDPA's math path, no early stop)
+    for recompute in recomputes:
+        assert rows[recompute]["max_abs_diff"] == 0.0 and rows[recompute]["status"] == "pass"
+    assert rows[micro]["max_abs_diff"] <= 1e-6 and rows[micro]["status"] == "pass"
+    # each run (the micro row, the recompute rows, their one control, the reference) checked the cost model against
+    # its counters, its communication counted though it is shorter than the warm-up: every error within its bound
+    # (dropout included), the FLOPs exact (recompute with dropout: SDPA's math path, no early stop)
     runs = mlflow_runs(repro.tracking_uri, "parity-smoke")
-    assert len(runs) == 4
+    assert len(runs) == len(recomputes) + 3
     bounds = {**costs.BOUNDS, **costs.FLOP_BOUNDS}
     for run in runs:
         errors = [run.data.metrics[names.MODEL_CHECK.format(quantity, "error")] for quantity in bounds]

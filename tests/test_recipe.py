@@ -35,6 +35,22 @@ def test_paper_hyperparameters_match_table_3() -> None:
     assert (gpt.train.optimizer.name, gpt.train.optimizer.lr, gpt.train.optimizer.weight_decay) == ("lamb", 0.001, 0.01)
 
 
+def test_a_frameworks_own_train_settings_apply_to_its_runs_alone_below_the_command_line(tmp_path: Path) -> None:
+    """configs/gpt2-paper.yaml's train_by_framework: DDP and ZeRO recompute every block at micro-batches of 8
+    (DeepSpeed's GPT-2 345M example), PipeDream only trains in fp32, as in the paper; a --set of the same field
+    wins; a framework the kit does not know is named with its file and field."""
+    path = recipe_path("gpt2", "paper")
+    settings = {fw: (r.train.recompute, r.train.micro_batch, r.train.precision) for fw in ("ddp", "zero", "pipedream")
+                for r in [load_file(path, [f"run.framework={fw}"])]}
+    assert settings == {"ddp": ("full", 8, "bf16"), "zero": ("full", 8, "bf16"), "pipedream": (None, None, "fp32")}
+    ddp = load_file(path, ["run.framework=ddp", "train.micro_batch=4"])
+    assert (ddp.train.recompute, ddp.train.micro_batch) == ("full", 4)
+    assert "train_by_framework" not in ddp.to_dict()  # folded into train: the fingerprint sees the effective fields
+    bad = write(tmp_path, lambda r: r.update(train_by_framework={"horovod": {"micro_batch": 2}}))
+    with pytest.raises(RecipeError, match=rf"^{bad}: train_by_framework\.horovod: unknown framework 'horovod'; valid: ddp"):
+        load_file(bad)
+
+
 def test_unknown_key_names_file_field_and_valid_fields(tmp_path: Path) -> None:
     path = write(tmp_path, lambda r: r["train"].update(learning_rate=0.1))
     with pytest.raises(RecipeError) as error:
@@ -109,10 +125,12 @@ def test_a_micro_batch_must_divide_the_batch_and_recompute_layers_need_recompute
 
 
 @pytest.mark.parametrize("framework,setting,why", [
-    ("fsdp", "train.micro_batch=2", "fsdp does not accumulate gradients over micro-batches: not yet applied by the kit"),
+    ("fsdp", "train.recompute=selective", "fsdp does not apply recompute selective \\(it applies train.recompute=full\\): "
+                                          "selective recompute \\(attention's core only\\) is megatron-core's granularity; "
+                                          "FSDP2 checkpoints whole blocks"),
     ("zero", "train.recompute=selective", "zero does not apply recompute selective \\(it applies train.recompute=full\\)"),
-    ("fsdp", "train.recompute=full", "fsdp does not apply recompute full: not yet applied by the kit"),
-    ("megatron", "train.recompute=selective", "megatron does not apply recompute selective: not yet applied by the kit"),
+    ("torch-pipeline", "train.micro_batch=4", "torch-pipeline does not accumulate gradients over micro-batches: its "
+                                              "micro-batches are the schedule's own: set torch_pipeline.microbatches"),
     ("pipedream", "train.micro_batch=4", "pipedream does not accumulate gradients over micro-batches: PipeDream has no such"),
     ("torchgpipe", "train.recompute=none", "torchgpipe does not take train.recompute: torchgpipe recomputes and cuts "
                                            "micro-batches its own way: set torchgpipe.checkpoint"),
@@ -122,6 +140,18 @@ def test_a_micro_batch_must_divide_the_batch_and_recompute_layers_need_recompute
 def test_a_memory_setting_a_framework_does_not_apply_is_refused_saying_why(framework, setting, why) -> None:
     with pytest.raises(RecipeError, match=why):
         load_file(recipe_path("gpt2", "smoke"), [f"run.framework={framework}", "run.gpus=2", setting])
+
+
+def test_megatrons_selective_recompute_takes_no_number_of_layers_and_full_is_the_block_method() -> None:
+    from repro.adapters.megatron_plan import MegatronPlan
+
+    with pytest.raises(RecipeError, match=r"train\.recompute_layers: megatron-core's selective recompute takes no number"):
+        load_file(recipe_path("gpt2", "smoke"), ["run.framework=megatron", "train.recompute=selective", "train.recompute_layers=2"])
+    full = load_file(recipe_path("gpt2", "smoke"), ["run.framework=megatron", "train.recompute=full", "train.recompute_layers=2"])
+    assert MegatronPlan.recompute_config(full) == {"recompute_granularity": "full", "recompute_method": "block",
+                                                   "recompute_num_layers": 2}
+    every = load_file(recipe_path("gpt2", "smoke"), ["run.framework=megatron", "train.recompute=full"])
+    assert MegatronPlan.recompute_config(every)["recompute_num_layers"] == 4  # GPT-2 smoke's layers, all
 
 
 def test_the_memory_settings_are_recorded_as_effective_and_default_to_the_frameworks_own() -> None:
@@ -136,3 +166,5 @@ def test_the_memory_settings_are_recorded_as_effective_and_default_to_the_framew
     assert effective("ddp", "train.micro_batch=2", "train.recompute=full") == (4, "full")
     assert effective("ddp", "train.micro_batch=8") == (1, "none")  # one micro-batch of the whole batch: no accumulation
     assert effective("torchgpipe", "torchgpipe.checkpoint=always") == (4, "always")
+    assert effective("fsdp", "train.micro_batch=2", "train.recompute=full") == (4, "full")
+    assert effective("megatron", "train.micro_batch=2", "train.recompute=selective") == (4, "selective")

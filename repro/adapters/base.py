@@ -202,6 +202,21 @@ class Adapter(FrameworkPlan):
         dtype = torch.float16 if precision == "fp16" else torch.bfloat16
         return torch.autocast(self.ctx.device.type, dtype=dtype)
 
+    def split_micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """The step's micro-batches (train.micro_batch samples each; without it, the whole batch), each with
+        whether it is the last: the one whose backward the framework reduces the gradients after."""
+        steps = self.accumulation_steps(self.ctx.recipe)
+        parts = list(zip(inputs.chunk(steps), targets.chunk(steps)))
+        return [(part, target, index == steps - 1) for index, (part, target) in enumerate(parts)]
+
+    def micro_batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The workload's loss of one micro-batch under the recipe's autocast, scaled by 1 / micro-batches so
+        that the gradients summed in `.grad` over the step are the whole batch's mean."""
+        with self.autocast():
+            loss = self.ctx.workload.loss(self.model(inputs), targets)
+        steps = self.accumulation_steps(self.ctx.recipe)
+        return loss / steps if steps > 1 else loss
+
     def clip_gradients(self, parameters: Any) -> None:
         if self.ctx.recipe.train.grad_clip:
             nn.utils.clip_grad_norm_(parameters, self.ctx.recipe.train.grad_clip)

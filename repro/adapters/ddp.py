@@ -39,23 +39,17 @@ class DDPAdapter(DDPPlan, Adapter):
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
-        steps = self.accumulation_steps(self.ctx.recipe)
-        loss = sum(self.accumulate(part, target, steps, last=index == steps - 1)
-                   for index, (part, target) in enumerate(zip(inputs.chunk(steps), targets.chunk(steps))))
+        loss = sum(self.accumulate(*micro) for micro in self.split_micro_batches(inputs, targets))
         self.scaler.unscale_(self.optimizer)
         self.clip_gradients(self.model.parameters())
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return self.shard_loss(loss)
 
-    def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, steps: int, last: bool) -> torch.Tensor:
-        """Forward and backward of one of `steps` micro-batches, its loss scaled by 1 / steps so that the
-        gradients summed in `.grad` are the whole batch's mean; DDP all-reduces with the last one only."""
+    def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; DDP all-reduces the summed gradients with the last one only."""
         with contextlib.nullcontext() if last else self.model.no_sync():
-            with self.autocast():
-                loss = self.ctx.workload.loss(self.model(inputs), targets)
-            if steps > 1:
-                loss = loss / steps
+            loss = self.micro_batch_loss(inputs, targets)
             self.scaler.scale(loss).backward()
         return loss.detach()
 

@@ -16,6 +16,18 @@ gradient reduction; parameters compute in train.precision. fp16 scales the loss 
 (`loss_scaler`: torch's ShardedGradScaler, which unscales the DTensor gradient shards and agrees
 on an overflow over all ranks, skipping the step everywhere).
 
+Memory settings (issue 39): train.recompute=full runs the workload's blocks under torch.utils.checkpoint
+(repro.adapters.recompute, as DDP), around the units: FSDP2's pre-forward hook does not gather a unit
+again for the recomputation, which runs after the unit's pre-backward gather (torch/distributed/fsdp/
+_fully_shard/_fsdp_state.py, `_pre_forward`/`_post_forward`: nothing in TrainingState.PRE_BACKWARD).
+train.micro_batch cuts the rank's batch into micro-batches with gradient sync off for all but the last
+(`set_requires_gradient_sync(False)`, _fully_shard.py: each param group's `reduce_grads` and
+`all_reduce_grads`); their gradients are reduce-scattered once, after the last. Between micro-batches
+FSDP2 keeps every parameter's whole (unsharded) gradient: `post_backward` (_fsdp_param_group.py) returns
+early without reducing, leaving the gradient on `_unsharded_param.grad`, cast to the reduce dtype into
+`unsharded_accumulated_grad` where that differs (_fsdp_param.py, `to_accumulated_grad_if_needed`);
+the adapter counts those buffers as gradients (`unsharded_gradient_bytes`).
+
 Checkpoints are PyTorch's distributed checkpoint (`torch.distributed.checkpoint`), as FSDP2's users
 write them: the sharded state dicts of model and optimizer (DTensors), every rank writing its own
 shards into CHECKPOINT_FOLDER and reading them back into the same mesh.
@@ -32,6 +44,7 @@ from torch import nn
 
 from repro.adapters.base import Adapter, parameter_users
 from repro.adapters.fsdp_plan import FSDPPlan
+from repro.adapters.recompute import apply_recompute
 from repro.metrics import optimizer_tensors, tensor_bytes
 from repro.optim import make_optimizer
 
@@ -53,11 +66,28 @@ def units(model: nn.Sequential, blocks: list[list[int]]) -> list[list[nn.Module]
     return [unit for unit in found if unit]
 
 
+def unsharded_gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the whole gradients FSDP2 holds between micro-batches while gradient sync is off: each
+    parameter's on its unsharded parameter, or its reduce-dtype copy (the module docstring cites the source)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    unsharded = getattr(param, "_unsharded_param", None)  # absent before the first gather
+                    held += [param.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad]
+    return tensor_bytes(held)
+
+
 class FSDPAdapter(FSDPPlan, Adapter):
     def setup(self, model: nn.Sequential) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         model = model.to(self.ctx.device)
+        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations)
+        self.gradients_between = 0  # the most bytes of whole gradients held between micro-batches
         precision = self.ctx.recipe.train.precision
         policy = MixedPrecisionPolicy(
             param_dtype=None if precision == "fp32" else DTYPES[precision],
@@ -91,8 +121,9 @@ class FSDPAdapter(FSDPPlan, Adapter):
         return torch.amp.GradScaler(self.ctx.device.type, enabled=enabled)
 
     def facts(self) -> dict[str, Any]:
-        """The units below the root, each as the types of its layers with parameters."""
-        return {"units": self.unit_layers}
+        """The units below the root, each as the types of its layers with parameters, and the recomputed blocks."""
+        recomputed = {"recomputed_blocks": self.recomputed} if self.recomputed else {}
+        return {"units": self.unit_layers, **recomputed}
 
     def mesh(self) -> Any:
         """1-D mesh over all ranks, or (replicate, shard) for hybrid sharding."""
@@ -123,20 +154,31 @@ class FSDPAdapter(FSDPPlan, Adapter):
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.ctx.workload.loss(self.model(inputs), targets)
-        self.scaler.scale(loss).backward()
+        loss = sum(self.accumulate(*micro) for micro in self.split_micro_batches(inputs, targets))
         self.scaler.unscale_(self.optimizer)
         self.clip_gradients(self.model.parameters())
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return self.shard_loss(loss)
 
+    def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch, gradient sync on for the last only (the sharded
+        gradients are reduce-scattered once a step, from the whole gradients summed over the micro-batches)."""
+        self.model.set_requires_gradient_sync(last)
+        loss = self.micro_batch_loss(inputs, targets)
+        self.scaler.scale(loss).backward()
+        if not last:
+            self.gradients_between = max(self.gradients_between, unsharded_gradient_bytes(self.model))
+        return loss.detach()
+
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of the shards this rank stores (the local tensors of the DTensors)."""
+        """Bytes of the shards this rank stores (the local tensors of the DTensors); gradients: the sharded
+        ones, or with micro-batches the whole gradients held between them where those are more (sharded
+        gradients appear only in the last micro-batch's backward, as the whole ones are reduce-scattered)."""
         params = list(self.model.parameters())
         return {
             "parameters": tensor_bytes(local(p) for p in params),
-            "gradients": tensor_bytes(local(p.grad) for p in params),
+            "gradients": max(tensor_bytes(local(p.grad) for p in params), self.gradients_between),
             "optimizer": tensor_bytes(local(t) for t in optimizer_tensors(self.optimizer)),
         }
 

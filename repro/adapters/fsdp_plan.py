@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from repro.adapters.plan import FrameworkPlan
+from repro.adapters.plan import FrameworkPlan, checkpoints_whole_blocks
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
 
@@ -20,6 +20,10 @@ class FSDPOptions(FrameworkOptions):
 class FSDPPlan(FrameworkPlan):
     Options = FSDPOptions
     own_checkpoint = True  # PyTorch's distributed checkpoint: every rank its shards
+    # torch.utils.checkpoint around the workload's blocks, and set_requires_gradient_sync(False) for all
+    # micro-batches but the last
+    recompute_modes, accumulates = ("full",), True
+    memory_settings_refused_because = checkpoints_whole_blocks("FSDP2")
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:

@@ -105,7 +105,7 @@ class MegatronAdapter(MegatronPlan, Adapter):
         spec, self.layer_spec = ctx.workload.spec, layer_spec_name(self.on_gpu)
         precision = ctx.recipe.train.precision
         self.megatron_half = precision if self.on_gpu and precision in ("bf16", "fp16") else None
-        gpt = build_gpt_model(spec, tp, self.layer_spec, self.megatron_half)
+        gpt = build_gpt_model(spec, tp, self.layer_spec, self.megatron_half, self.recompute_config(ctx.recipe))
         copy_weights(gpt, megatron_weights(model, spec, tp), tp_rank, tp)
         self.gpt = gpt.to(ctx.device)
         padding = torch.arange(padded_vocab(spec.vocab_size, tp)).chunk(tp)[tp_rank] >= spec.vocab_size
@@ -146,6 +146,7 @@ class MegatronAdapter(MegatronPlan, Adapter):
             use_distributed_optimizer=self.options.distributed_optimizer,
         )
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+        config.no_sync_func = model.no_sync  # the schedule reduces the gradients with the last micro-batch only
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="sgd" if wanted.name == "sgd" else "adam", lr=wanted.lr, weight_decay=wanted.weight_decay,
             decoupled_weight_decay=wanted.name == "adamw", adam_beta1=wanted.betas[0], adam_beta2=wanted.betas[1],
@@ -154,6 +155,9 @@ class MegatronAdapter(MegatronPlan, Adapter):
             params_dtype=config.params_dtype, use_distributed_optimizer=self.options.distributed_optimizer,
             clip_grad=self.ctx.recipe.train.grad_clip or 0.0,
         ), [model])
+        # the schedule's backward scales each micro-batch's loss by it, as Megatron-LM's training.py wires it
+        # (schedules.py, backward_step): fp16, the dynamic loss scale; otherwise 1
+        config.grad_scale_func = optimizer.scale_loss
         return model, optimizer
 
     def pieces(self) -> dict[str, str]:
@@ -175,28 +179,52 @@ class MegatronAdapter(MegatronPlan, Adapter):
         return logits.masked_fill(self.padding, float("-inf")) if self.padded else logits
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        """Forward and backward through megatron-core's schedule (pipeline_parallel/schedules.py,
+        forward_backward_no_pipelining: num_microbatches passes, the loss of each divided by their number,
+        gradient sync held back by `config.no_sync_func` but for the last), then the gradients' reduction
+        and the optimizer's step."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
         if self.on_gpu:
             self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        # megatron-core's bf16 and fp16 are Float16Module's 16-bit weights (fp32 main copies in the optimizer), not autocast
-        autocast = contextlib.nullcontext() if self.megatron_half else self.autocast()
-        with self.shared_rng.fork(), autocast:
-            loss = vocab_parallel_cross_entropy(self.logits(inputs).float(), targets).mean()
+        micro = [(part, target) for part, target, _ in self.split_micro_batches(inputs, targets)]
+        with self.schedule_devices():
+            losses = get_forward_backward_func()(
+                forward_step_func=self.forward_step, data_iterator=iter(micro), model=self.model,
+                num_microbatches=len(micro), seq_length=inputs.shape[1], micro_batch_size=micro[0][0].shape[0])
+        loss = torch.stack([reduced["loss"] for reduced in losses]).mean()
         if self.on_gpu:
             from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-            self.optimizer.scale_loss(loss).backward()  # fp16: by the optimizer's loss scale; else by 1
             finalize_model_grads([self.model])  # waits for the overlapped all-reduce; clipping is the optimizer's
             self.optimizer.step()  # fp16: skipped, on every rank, where a gradient overflowed
         else:
-            loss.backward()
             self.average_gradients()
             self.clip_gradients(self.model.parameters())
             self.optimizer.step()
         return self.shard_loss(loss)
+
+    def forward_step(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]], model: nn.Module) -> tuple[torch.Tensor, Any]:
+        """megatron-core's forward_step_func: the next micro-batch's mean loss, and the loss function the
+        schedule applies to it before dividing it by num_microbatches in place (a copy is what it reports)."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        inputs, targets = next(micro_batches)
+        # megatron-core's bf16 and fp16 are Float16Module's 16-bit weights (fp32 main copies in the optimizer), not autocast
+        autocast = contextlib.nullcontext() if self.megatron_half else self.autocast()
+        with self.shared_rng.fork(), autocast:
+            loss = vocab_parallel_cross_entropy(self.logits(inputs).float(), targets).mean()
+        return loss, lambda output: (output, {"loss": output.detach().clone()})
+
+    def schedule_devices(self) -> contextlib.AbstractContextManager:
+        """On the CPU, megatron_cpu's redirection of the schedule's CUDA allocations."""
+        if self.on_gpu:
+            return contextlib.nullcontext()
+        from repro.adapters import megatron_cpu
+
+        return megatron_cpu.CudaAllocationsOnCpu()
 
     def average_gradients(self) -> None:
         """Mean of the dp replicas' gradients: one all-reduce of all gradients, flattened."""

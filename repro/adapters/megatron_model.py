@@ -37,12 +37,13 @@ def layer_spec_name(on_gpu: bool) -> str:
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # megatron-core's own 16-bit modes (Float16Module)
 
 
-def gpt_config(spec: GPT2Spec, tp: int, half: str | None) -> Any:
+def gpt_config(spec: GPT2Spec, tp: int, half: str | None, recompute: dict[str, Any]) -> Any:
     """megatron-core's TransformerConfig for the workload's GPT-2. CPU initialisation (public) builds
     the weights on any device, moved afterwards. They "initialise" with zeros_ because they are the
     plain model's, copied in; only that library path (tensor_parallel/layers.py,
     _initialize_affine_weight_cpu) tags the shards as tensor-parallel, which megatron-core's gradient
-    clipping and this adapter's (param_is_not_tensor_parallel_duplicate) read."""
+    clipping and this adapter's (param_is_not_tensor_parallel_duplicate) read. `recompute`: its recompute
+    fields (repro.adapters.megatron_plan: `recompute_config`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -54,19 +55,20 @@ def gpt_config(spec: GPT2Spec, tp: int, half: str | None) -> Any:
         use_cpu_initialization=True, perform_initialization=True, init_method=nn.init.zeros_,
         output_layer_init_method=nn.init.zeros_, deterministic_mode=True,
         bf16=half == "bf16", fp16=half == "fp16", params_dtype=HALF.get(half, torch.float32),
-        pipeline_dtype=HALF.get(half, torch.float32),
+        pipeline_dtype=HALF.get(half, torch.float32), **recompute,
     )
 
 
-def build_gpt_model(spec: GPT2Spec, tp: int, layer_spec: str, half: str | None) -> nn.Module:
-    """megatron-core's GPTModel as the workload's GPT-2; `half`: megatron-core's bf16 or fp16 mode, or None."""
+def build_gpt_model(spec: GPT2Spec, tp: int, layer_spec: str, half: str | None, recompute: dict[str, Any]) -> nn.Module:
+    """megatron-core's GPTModel as the workload's GPT-2; `half`: megatron-core's bf16 or fp16
+    mode, or None; `recompute`: gpt_config's."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     layers = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if layer_spec == "transformer-engine"
               else gpt_layer_specs.get_gpt_layer_local_spec())
     return GPTModel(
-        config=gpt_config(spec, tp, half), transformer_layer_spec=layers,
+        config=gpt_config(spec, tp, half, recompute), transformer_layer_spec=layers,
         vocab_size=padded_vocab(spec.vocab_size, tp), max_sequence_length=spec.seq_len,
         position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True,
         parallel_output=True,

@@ -3,6 +3,7 @@ paper's name of each variant (torch-free; the adapter, which imports megatron-co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from repro.adapters.plan import FrameworkPlan
 from repro.recipe import FrameworkOptions, Recipe
@@ -23,6 +24,9 @@ class MegatronPlan(FrameworkPlan):
     Options = MegatronOptions
     own_checkpoint = True  # one file per rank: its shards of the model and the optimizer
 
+    # megatron-core's own recompute (TransformerConfig's recompute_granularity), and micro-batches through its
+    # schedule (num_microbatches)
+    recompute_modes, accumulates = ("selective", "full"), True
     workloads = ("gpt2",)
     not_applicable_because = "Megatron's intra-layer scheme targets transformers"
 
@@ -61,6 +65,27 @@ class MegatronPlan(FrameworkPlan):
             raise RecipeError(source, "train.precision",
                               f"megatron's CPU path runs fp32, not {recipe.train.precision}: megatron-core's linear "
                               "layers autocast on CUDA only (tensor_parallel/layers.py); use fp32 on CPU")
+
+    @classmethod
+    def check_memory(cls, recipe: Recipe, source: str) -> None:
+        super().check_memory(recipe, source)
+        if recipe.train.recompute == "selective" and recipe.train.recompute_layers is not None:
+            raise RecipeError(source, "train.recompute_layers", "megatron-core's selective recompute takes no number "
+                              "of layers (it recomputes attention's core in every layer); unset it or use full")
+
+    @staticmethod
+    def recompute_config(recipe: Recipe) -> dict[str, Any]:
+        """train.recompute as megatron-core's TransformerConfig takes it (transformer_config.py): selective
+        recomputes attention's core in every layer (recompute_modules' default, core_attn); full
+        checkpoints the first train.recompute_layers layers (all when unset), each on its own: the block
+        method (transformer_block.py, `_checkpointed_forward`), which is the kit's meaning of recompute_layers."""
+        train = recipe.train
+        if train.recompute == "selective":
+            return {"recompute_granularity": "selective"}
+        if train.recompute == "full":
+            return {"recompute_granularity": "full", "recompute_method": "block",
+                    "recompute_num_layers": train.recompute_layers or recipe.model.n_layer}
+        return {}
 
     @classmethod
     def variant(cls, recipe: Recipe) -> str:

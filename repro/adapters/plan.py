@@ -123,6 +123,12 @@ class FrameworkPlan:
                 "recompute": cls.recompute(recipe)}
 
 
+def checkpoints_whole_blocks(who: str) -> str:
+    """Why a framework whose adapter recomputes through repro.adapters.recompute refuses selective recompute."""
+    return (f"selective recompute (attention's core only) is megatron-core's granularity; {who} checkpoints "
+            "whole blocks with torch.utils.checkpoint")
+
+
 def require_fp32(recipe: Recipe, source: str, framework: str) -> None:
     """The paper ran both pipeline frameworks in fp32 (neither offered mixed precision)."""
     if recipe.train.precision != "fp32":

@@ -69,8 +69,12 @@ def valid_split(weights: list[int], starts: list[bool], sizes: list[int]) -> boo
 class TorchPipelinePlan(FrameworkPlan):
     Options = TorchPipelineOptions
     own_checkpoint = True  # one file per rank: its stages' parameters and optimizer state
-    memory_settings_refused_because = ("not yet applied by the kit (the schedule's own micro-batches are set by "
-                                       "torch_pipeline.microbatches)")
+    # train.micro_batch would be the schedule's micro-batch, which torch_pipeline.microbatches already sets (the
+    # schedule accumulates the gradients over them): one setting, not two that could disagree
+    memory_settings_refused_because = (
+        "its micro-batches are the schedule's own: set torch_pipeline.microbatches (global batch / microbatches "
+        "samples each, 2 x GPUs of them by default; fewer samples each hold fewer activations in flight); "
+        "recompute around its stages' blocks is not yet applied by the kit")
 
     @classmethod
     def micro_batches(cls, recipe: Recipe) -> int:

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.adapters.plan import FrameworkPlan
+from repro.adapters.plan import FrameworkPlan, checkpoints_whole_blocks
 from repro.recipe import FrameworkOptions, Recipe
 from repro.schema import RecipeError
 
@@ -41,8 +41,7 @@ class ZeroPlan(FrameworkPlan):
     # DeepSpeed's gradient_accumulation_steps, and torch.utils.checkpoint around the workload's blocks
     # (repro.adapters.zero says why not deepspeed.checkpointing)
     recompute_modes, accumulates = ("full",), True
-    memory_settings_refused_because = ("selective recompute (attention's core only) is megatron-core's granularity; "
-                                       "under ZeRO the kit checkpoints whole blocks with torch.utils.checkpoint")
+    memory_settings_refused_because = checkpoints_whole_blocks("under ZeRO the kit")
 
     @classmethod
     def check(cls, recipe: Recipe, source: str) -> None:

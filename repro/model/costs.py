@@ -185,21 +185,28 @@ def fsdp(cell: Cell) -> Prediction:
     `foreach_reduce`; gloo runs it as an all-reduce of that input), then under hybrid sharding
     all-reduced across the replicas (S elements). With one shard rank nothing is gathered or reduced.
     Sharded parameters are DTensors, so an optimizer or clip that takes norms reduces their partial
-    sums (`sharded_norms`)."""
+    sums (`sharded_norms`).
+    Micro-batches (k a step, gradient sync off for all but the last: repro.adapters.fsdp): every one
+    gathers the units again (each backward reshards them), the gradients are reduced once; between
+    micro-batches every parameter's whole gradient is held in the reduce dtype (_fsdp_param_group.py,
+    `post_backward`; _fsdp_param.py, `to_accumulated_grad_if_needed`), Psi elements, no sharded gradient
+    yet: the gradients' high-water mark is the larger of the two. Full recompute gathers nothing more
+    (the recomputation runs after the unit's pre-backward gather: _fsdp_state.py, `_pre_forward`)."""
     sharding, gpus = cell.option("sharding", "full"), cell.gpus
     replicas = cell.option("replicas", 2) if sharding == "hybrid" else 1
     if gpus % replicas:
         raise ValueError(f"fsdp: {replicas} replicas must divide the GPUs ({gpus})")
     ranks = gpus // replicas
-    held, count = dim0_sharded(cell.shape, ranks), tensor_count(cell.shape)
+    held, count, k = dim0_sharded(cell.shape, ranks), tensor_count(cell.shape), cell.accumulation_steps
+    reduce_element = ACTIVATION_ELEMENT[cell.option("reduce_dtype", "fp32")]
     comm: dict[str, int] = {}
     if ranks > 1:
         gathered = ACTIVATION_ELEMENT[cell.precision] * held
-        comm["all_gather"] = gathered * (1 if sharding == "grad-op" else 2)
-        reduced = ACTIVATION_ELEMENT[cell.option("reduce_dtype", "fp32")] * held
+        comm["all_gather"] = k * gathered * (1 if sharding == "grad-op" else 2)
+        reduced = reduce_element * held
         comm["all_reduce"] = ranks * reduced + (reduced if replicas > 1 else 0) + FP32 * sharded_norms(cell, count)
-    return Prediction(FP32 * held, FP32 * held, optimizer_bytes(cell, held, count),
-                      activations(cell, cell.batch_per_gpu), comm)
+    grads = max(FP32 * held, reduce_element * parameters(cell.shape)) if k > 1 else FP32 * held
+    return Prediction(FP32 * held, grads, optimizer_bytes(cell, held, count), activations(cell, cell.batch_per_gpu), comm)
 
 
 def sharded_norms(cell: Cell, count: int) -> int:
@@ -254,8 +261,8 @@ def megatron_reduced(cell: Cell) -> tuple[int, int]:
     tp = cell.option("tp", 1)
     tokens = cell.batch_per_gpu * tp * cell.shape.seq_len
     within = FP32 * 3 * tokens
-    if tp > 1:
-        within += FP32 * tokens * cell.shape.d_model * (4 * cell.shape.n_layer + 2)
+    if tp > 1:  # full recompute runs each recomputed layer's forward, and its two all-reduces, again
+        within += FP32 * tokens * cell.shape.d_model * (4 * cell.shape.n_layer + 2 + 2 * cell.recomputed)
         within += FP32 if cell.option("grad_clip", None) else 0
     across = FP32 * megatron_elements(cell.shape, tp) if cell.gpus // tp > 1 else 0
     return within, across
@@ -278,10 +285,14 @@ def megatron_activations(cell: Cell, tp: int) -> int:
     > 1 the vocabulary-masked copy and its bool mask: VocabParallelEmbedding), the positions (the
     adapter's arange of seq_len), the final layer norm, the head's input, and the vocabulary-parallel
     cross entropy's fp32 softmax, target mask and int64 targets (cross_entropy.py, save_for_backward),
-    plus the logits' padding mask where the vocabulary is padded to a multiple of tp."""
+    plus the logits' padding mask where the vocabulary is padded to a multiple of tp.
+    Micro-batches (megatron-core's schedule, one graph at a time): b = micro_batch x tp, but at tp = 1 the
+    embedding saves the token ids themselves, a view of the whole batch's (with tp > 1 it saves its
+    vocabulary-masked copy)."""
     shape, e = cell.shape, ACTIVATION_ELEMENT[cell.precision]
     mask = e if cell.device == "cpu" else 1
-    s, h, b = shape.seq_len, shape.d_model, cell.batch_per_gpu * tp
+    micro = cell.micro_batch or cell.batch_per_gpu
+    s, h, b = shape.seq_len, shape.d_model, micro * tp
     n, dropout, probs = b * s, shape.dropout > 0, b * (shape.n_head // tp) * s * s
     if dropout:
         attention = probs * (FP32 + mask + e)  # softmax output, dropout mask, dropped probabilities
@@ -289,9 +300,41 @@ def megatron_activations(cell: Cell, tp: int) -> int:
         attention = probs * (FP32 + (e if e != FP32 else 0))  # 16-bit: bmm saves the cast probabilities
     layer = e * (4 * n * h + 12 * n * h // tp) + 2 * 2 * FP32 * n + attention + (2 * mask * n * h if dropout else 0)
     padded = -(-shape.vocab // tp) * tp
-    embedding = INT64 * n + (n if tp > 1 else 0) + INT64 * s + (mask * n * h if dropout else 0)
+    embedding = INT64 * n + (n if tp > 1 else INT64 * s * (cell.batch_per_gpu - micro)) + INT64 * s + (mask * n * h if dropout else 0)
     head = e * 2 * n * h + 2 * FP32 * n + FP32 * n * padded // tp + n + INT64 * n + (padded // tp if padded != shape.vocab else 0)
-    return embedding + shape.n_layer * layer + s * s + head
+    held = embedding + s * s  # through the whole step, the causal mask included
+    if cell.selective:
+        before = e * (2 * n * h + 3 * n * h // tp) + 2 * FP32 * n  # a layer's saved up to attention's core
+        return megatron_selective_peak(held, layer - attention, before, attention, head, shape.n_layer)
+    if cell.recomputed:
+        return megatron_full_peak(held, layer, e * n * h, head, shape.n_layer, cell.recomputed)
+    return held + shape.n_layer * layer + head
+
+
+ATTENTION_MASK_TYPE = 4  # attention.py, _checkpointed_attention_forward: the mask type as a 1-element int32 tensor
+
+
+def megatron_selective_peak(held: int, kept: int, before: int, attention: int, head: int, layers: int) -> int:
+    """Selective recompute (recompute_granularity selective, core_attn: attention.py,
+    `_checkpointed_attention_forward` through tensor_parallel/random.py's CheckpointFunction): the
+    forward keeps each layer's set less attention's core (`kept`: the probabilities, their softmax and
+    dropout, Korthikanti et al. 2022's 5 a s / h), plus the mask type the checkpoint saves; q, k and v,
+    which it saves too, are linear_qkv's output, already counted. In backward the last layer's core is
+    recomputed after its MLP and projection have freed theirs: everything before it, its saved up to the
+    core (`before`) and the core's whole set. The peak is the larger moment."""
+    kept += ATTENTION_MASK_TYPE
+    return max(held + layers * kept + head, held + (layers - 1) * kept + before + ATTENTION_MASK_TYPE + attention)
+
+
+def megatron_full_peak(held: int, layer: int, layer_input: int, head: int, layers: int, recomputed: int) -> int:
+    """Full recompute by the block method (transformer_block.py, `_checkpointed_forward`): the first
+    `recomputed` layers each run under CheckpointFunction, which keeps only the layer's input (`layer_input`
+    bytes; the attention mask it saves is the causal mask, counted once); the others keep their sets. In
+    backward the last recomputed layer is recomputed after the layers above it and the head have freed
+    theirs: the inputs of the recomputed layers below it and its whole set, its input included. The peak
+    is the larger of that moment and the forward's end."""
+    forward_end = held + recomputed * layer_input + (layers - recomputed) * layer + head
+    return max(forward_end, held + (recomputed - 1) * layer_input + layer)
 
 
 MODELS = {"ddp": ddp, "zero": zero, "fsdp": fsdp, "megatron": megatron, "torchgpipe": torchgpipe,
@@ -340,7 +383,7 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None, capability: int | 
     recomputed = Cell.recomputed_blocks(shape, train.recompute, train.recompute_layers)
     precision = automatic_precision(device, capability) if train.precision == "auto" else train.precision
     return Cell(shape, recipe.run.framework, recipe.run.gpus, train.batch_per_gpu, optimizer.name,
-                precision, section, device, train.micro_batch, recomputed)
+                precision, section, device, train.micro_batch, recomputed, train.recompute == "selective")
 
 
 def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import yaml
 from repro import registry
 from repro.hardware import automatic_precision, capability_of
 from repro.model import costs
-from repro.recipe import recipe_path
+from repro.recipe import fold_framework_train, recipe_path
 from repro.shapes import shape_of
 
 
@@ -25,12 +25,17 @@ PREDICTED_GPU = "V100"
 
 
 def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costs.Cell:
-    """The model's cell of a recipe file with `sets` ("section.field=value", YAML values) applied."""
-    raw = yaml.safe_load(recipe_path(workload, scale).read_text())
+    """The model's cell of a recipe file with `sets` ("section.field=value", YAML values) applied, and the
+    file's train fields for `framework` (its train_by_framework entry) where `sets` leaves them."""
+    path = recipe_path(workload, scale)
+    raw = yaml.safe_load(path.read_text())
+    kept = []
     for text in sets:
         key, _, value = text.partition("=")
         section, _, name = key.partition(".")
         raw.setdefault(section, {})[name] = yaml.safe_load(value)
+        kept.append(key)
+    fold_framework_train(raw, str(path), framework, kept)
     section = dict(raw.get(framework.replace("-", "_")) or {})
     train = raw["train"]
     optimizer = section.get("optimizer") or train["optimizer"]
@@ -42,7 +47,8 @@ def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", 
     if precision == "auto":
         precision = automatic_precision("cuda", capability_of(PREDICTED_GPU))
     return costs.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], precision,
-                          options, micro_batch=train.get("micro_batch"), recomputed=recomputed)
+                          options, micro_batch=train.get("micro_batch"), recomputed=recomputed,
+                          selective=train.get("recompute") == "selective")
 
 
 def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costs.Prediction | None:
@@ -194,6 +200,34 @@ def overrides(start: costs.Cell, chosen: costs.Cell) -> tuple[str, ...]:
 def matrix_fits(workload: str, capacity: float, scale: str = "paper") -> list[dict[str, Any]]:
     """`fit` for every modelled Table 2 cell of `workload` at `scale`: matrix_predictions' rows and the Fit."""
     return [{**entry, "fit": fit(entry["cell"], capacity)} for entry in matrix_predictions(workload, scale)]
+
+
+def paper_devices(workload: str, scale: str = "paper") -> list[dict[str, Any]]:
+    """matrix_fits against the smaller of the paper's GPUs (its Table 2, V100-16GB), each row with `device`:
+    the smallest of the paper's GPUs its recipe fits as set (None: neither), and `why`: where that is not the
+    smaller GPU, why nothing fits it (Fit.why_not), or which setting would, that the recipe lacks."""
+    from repro.hardware import paper_gpu_memory
+
+    sizes = sorted(paper_gpu_memory().items(), key=lambda item: item[1])
+    out = []
+    for entry in matrix_fits(workload, sizes[0][1] * 2**30, scale):
+        fit = entry["fit"]
+        device = next((name for name, size in sizes if fit.as_written <= size * 2**30), None)
+        why = "" if device == sizes[0][0] else fit.why_not or f"the recipe does not set {fit.setting()}, which fits {sizes[0][0]}"
+        out.append({**entry, "device": device, "why": why})
+    return out
+
+
+def memory_settings(workload: str, row: str, gpus: int, scale: str = "paper") -> str:
+    """A Table 2 cell's memory settings as its recipe sets them, in words (what a paper-scale figure assumes)."""
+    cell = row_cell(workload, row, gpus, scale)
+    if cell is None:
+        return "no such row"
+    blocks = len(cell.shape.blocks())
+    recompute = (f"{'every' if cell.recomputed == blocks else f'{cell.recomputed} of {blocks}'} block recomputed"
+                 if cell.recomputed else "every activation kept")
+    micro = cell.micro_batch or cell.batch_per_gpu
+    return recompute + (f", micro-batches of {micro}" if micro < cell.batch_per_gpu else ", one pass a step")
 
 
 def zero_saving(workload: str, gpus: int, scale: str = "paper") -> tuple[float, float | None] | None:

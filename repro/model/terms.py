@@ -29,6 +29,7 @@ class Cell:
     device: str = "cuda"  # "cpu": dropout keeps a mask of the activations' own dtype (CUDA's fused kernel: 1 byte)
     micro_batch: int | None = None  # samples per micro-batch where gradients accumulate over several (None: one pass)
     recomputed: int = 0  # the workload's blocks (shape.blocks()) under full recompute, from the first
+    selective: bool = False  # selective recompute (megatron-core's: attention's core in every layer)
 
     def option(self, name: str, default: Any) -> Any:
         return self.options.get(name, default)

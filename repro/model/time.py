@@ -160,7 +160,7 @@ def megatron(cell: Cell, platform: Platform) -> StepTime:
     flops = step_flops(cell)
     compute = compute_seconds(cell, platform, flops, all_layers(cell), cell.accumulation_steps)
     within, across = costs.megatron_reduced(cell)
-    calls = 4 * cell.shape.n_layer + 2 if tp > 1 else 3
+    calls = 4 * cell.shape.n_layer + 2 + 2 * cell.recomputed if tp > 1 else 3  # costs.megatron_reduced's operations
     tp_comm = collective_seconds(platform, "all_reduce", within, tp, calls)
     dp = cell.gpus // tp
     per_node = max(1, platform.ranks_per_node // tp) if tp <= platform.ranks_per_node else 1

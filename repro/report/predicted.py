@@ -39,15 +39,15 @@ def paper_gpus_note(w: str, figures: dict[str, Prediction | None]) -> str:
         return f"each fits the paper's {' and '.join(paper_gpu_memory())} (its Table 2)" if figures else ""
     return ("against the paper's GPUs (its Table 2): " + ", ".join(
         f"{label} over {' and '.join(gpus)} ({share:.1%} activations)" for label, (gpus, share) in over.items())
-            + f": the paper's runs on those GPUs cannot have held that much as configs/{w}-paper.yaml is written (no activation "
-            "checkpointing or micro-batching modelled)")
+            + f": the paper's runs on those GPUs cannot have held that much under configs/{w}-paper.yaml's settings "
+            "(each framework's own recompute and micro-batches, where it has them)")
 
 
 def zero_memory_predicted(res: Results, from_gpus: int, paper: tuple[float, float]) -> list[str]:
     """ZeRO's saving at the paper's scale and GPU counts, from the cost model: a prediction beside the
     paper's figure, not a verdict; with the model's error on ZeRO's and DDP's cells where it is connected."""
     from repro.matrix import load_matrix
-    from repro.model.predict import quoted, zero_saving
+    from repro.model.predict import memory_settings, quoted, zero_saving
 
     notes = []
     for w in res.workloads:
@@ -63,8 +63,21 @@ def zero_memory_predicted(res: Results, from_gpus: int, paper: tuple[float, floa
             fits = paper_gpus_note(w, {f"{row} {counts[-1]} GPUs": res.predict(w, row, counts[-1])
                                        for row in ("ddp", "zero")}) if res.predict else ""
             notes.append(f"{w} at paper scale, ZeRO's model-state saving against DDP (paper: {paper[0]:.0%}-{paper[1]:.0%}), "
-                         + quoted(values) + error + (f"; {fits}" if fits else ""))
+                         + quoted(values) + error + (f"; {fits}" if fits else "")
+                         + whole_saving(zero_saving(w, counts[-1]), counts[-1], paper,
+                                        {row: memory_settings(w, row, counts[-1]) for row in ("zero", "ddp")}))
     return notes
+
+
+def whole_saving(saving: tuple[float, float | None] | None, gpus: int, paper: tuple[float, float],
+                 settings: dict[str, str]) -> str:
+    """ZeRO's predicted saving of the whole peak (model state + activations) at `gpus` against the paper's
+    range, under the recipes' memory settings `settings` (row -> words); empty where activations are not modelled."""
+    if not saving or saving[1] is None:
+        return ""
+    where = "within" if paper[0] <= saving[1] <= paper[1] else "below" if saving[1] < paper[0] else "above"
+    return (f"; at {gpus} GPUs the predicted saving of the whole peak, {saving[1]:.0%}, lies {where} the paper's "
+            f"{paper[0]:.0%}-{paper[1]:.0%} (" + "; ".join(f"{row}: {text}" for row, text in settings.items()) + ")")
 
 
 def predicted_hybrid(res: Results, w: str, t: dict[str, Any], notes: list[str]) -> list[str]:
@@ -86,7 +99,27 @@ def predicted_hybrid(res: Results, w: str, t: dict[str, Any], notes: list[str]) 
         verdicts.append(HOLDS if less else FAILS)
         notes.append(f"{w} {g} GPUs (predicted, {error}): {t['row']} sends {mib(mine.comm_bytes)} per GPU a step; "
                      + ", ".join(f"{row} {mib(p.comm_bytes)}" for row, p in figures.items()))
+        verdicts += hybrid_memory_predicted(res, w, g, t, notes)
     return verdicts
+
+
+def hybrid_memory_predicted(res: Results, w: str, g: int, t: dict[str, Any], notes: list[str]) -> list[str]:
+    """The hybrid's predicted peak per GPU at `g` GPUs under the recipes' memory settings against the
+    data-parallel rows' (the finding's memory clause at the paper's scale), with the model's error."""
+    from repro.model.predict import memory_settings
+
+    figures = {row: res.predict(w, row, g) for row in (t["row"], *t["data_parallel"])}
+    figures = {row: p for row, p in figures.items() if p and p.memory_bytes}
+    if t["row"] not in figures or len(figures) < 2:
+        return []
+    error = model_error(figures, MEMORY_CHECKS)
+    mine = figures.pop(t["row"])
+    leaner = all(mine.memory_bytes < p.memory_bytes for p in figures.values())
+    fits = paper_gpus_note(w, {f"{t['row']} {g} GPUs": mine})
+    notes.append(f"{w} {g} GPUs (predicted, {error}): {t['row']} peak {mib(mine.memory_bytes)} per GPU "
+                 f"({memory_settings(w, t['row'], g)}); " + ", ".join(f"{row} {mib(p.memory_bytes)}" for row, p in figures.items())
+                 + f" ({'below' if leaner else 'not below'} every data-parallel row); {fits}")
+    return [HOLDS if leaner else FAILS]
 
 
 def pipeline_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
@@ -120,7 +153,7 @@ def megatron_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
     scale and GPU counts, from the cost model: a prediction beside the measured verdict, with the
     model's error. Counts whose tp does not split the heads have no prediction (left out)."""
     from repro.matrix import load_matrix
-    from repro.model.predict import memory_minimum, quoted
+    from repro.model.predict import memory_minimum, memory_settings, quoted
 
     if res.predict is None:
         return []
@@ -136,10 +169,23 @@ def megatron_memory_predicted(res: Results, t: dict[str, Any]) -> list[str]:
         lowest, shape = memory_minimum(memory)
         error = model_error({t["row"]: figures[gpus[-1]]}, MEMORY_CHECKS)
         fits = paper_gpus_note(w, {f"{g} GPU{'s' if g > 1 else ''}": figures[g] for g in gpus})
-        notes.append(f"{w} {t['row']} at paper scale, memory per GPU lowest at {lowest} GPU{'s' if lowest > 1 else ''} "
-                     f"({shape}; local layer spec), "
-                     + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error}); {fits}")
+        notes.append(f"{w} {t['row']} at paper scale ({memory_settings(w, t['row'], gpus[-1])}), memory per GPU lowest at "
+                     f"{lowest} GPU{'s' if lowest > 1 else ''} ({shape}; local layer spec), "
+                     + quoted([f"{g} GPU{'s' if g > 1 else ''} {mib(memory[g])}" for g in gpus]) + f" ({error}); "
+                     + u_terms({g: figures[g] for g in gpus}) + f"; {fits}")
     return notes
+
+
+def u_terms(figures: dict[int, Prediction]) -> str:
+    """Why memory per GPU has its shape: how model state and activations each move from the fewest GPUs to
+    the most (a U needs the first to fall faster than the second grows, then slower)."""
+    first, last = min(figures), max(figures)
+    state = {g: p.model_state_bytes for g, p in figures.items()}
+    active = {g: p.memory_bytes - p.model_state_bytes for g, p in figures.items()}
+    return (f"from {first} to {last} GPUs model state x{state[last] / state[first]:.2f} ({mib(state[first])} -> "
+            f"{mib(state[last])}), activations x{active[last] / active[first]:.2f} ({mib(active[first])} -> {mib(active[last])})"
+            + (": by the paper's rule the tp group's batch grows with the GPU count, and what tp does not split grows "
+               "with it" if active[last] > active[first] else ""))
 
 
 def timing_error(p: Prediction) -> str:
