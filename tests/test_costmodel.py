@@ -415,7 +415,7 @@ def test_predict_prints_both_workloads_at_paper_scale_without_torch():
     gpt2 = lines[next(i for i, line in enumerate(lines) if line.startswith("gpt2")):]
     ddp64 = next(line.split() for line in gpt2 if line.split()[:2] == ["ddp", "64"])
     shape = GPT2Shape(24, 1024, 16, 1024, 50257, 0.1)  # the recipe's DDP: every block recomputed, micro-batches of 8
-    cell = costs.Cell(shape, "ddp", 64, 32, "lamb", "bf16", micro_batch=8, recomputed=24)
+    cell = costs.Cell(shape, "ddp", 64, 32, "lamb", "bf16", {"weight_decay": 0.01}, micro_batch=8, recomputed=24)
     medium = costs.predict(cell)
     assert ddp64[2:5] == [f"{medium.model_state / 2**30:.2f}", f"{medium.activations / 2**30:.2f}",
                           f"{medium.estimated_peak / 2**30:.2f}"] == ["6.61", "1.95", "8.56"] and ddp64[-1] == "V100"
