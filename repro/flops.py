@@ -10,9 +10,9 @@ registry's SDPA formulas, and files each operation under a phase:
   gradient formulas;
 - recompute: run by the engine with grad mode on: activation checkpointing's forward again, which
   torch.utils.checkpoint and torchgpipe run under enable_grad inside backward; or inside `recomputing()`,
-  which the kit's own checkpoint opens around its recomputation (repro.adapters.recompute), since an
-  autograd Function's forward runs with grad mode off even there (ZeRO-3's linears; megatron-core's
-  too, whose recompute must open it as well);
+  which the kit's own checkpoint opens around its recomputation (repro.adapters.recompute), or under a
+  reentrant checkpoint's node (megatron-core's), since an autograd Function's forward runs with grad
+  mode off even there (ZeRO-3's linears; megatron-core's);
 - forward: the rest (the optimizer's step is elementwise: none of it counts).
 
 A dispatch mode is thread-local: it sees the ops of the thread that entered it and of the autograd
@@ -34,6 +34,9 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from repro import names
 
 PHASES = names.FLOP_PHASES
+# a reentrant checkpoint's node: its backward runs the recomputation (megatron-core's CheckpointFunction,
+# megatron/core/tensor_parallel/random.py: its custom linears' forwards run with grad mode off even there)
+REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 aten = torch.ops.aten
 
 
@@ -99,7 +102,9 @@ class FlopCounter:
             return "recompute"
         if torch._C._current_graph_task_id() == -1:
             return "forward"
-        return "recompute" if torch.is_grad_enabled() else "backward"
+        node = torch._C._current_autograd_node()  # the node whose backward the engine runs now
+        reentrant = node is not None and node.name().endswith(REENTRANT_CHECKPOINT)
+        return "recompute" if torch.is_grad_enabled() or reentrant else "backward"
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:

@@ -86,7 +86,7 @@ class FSDPAdapter(FSDPPlan, Adapter):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         model = model.to(self.ctx.device)
-        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations)
+        self.recomputed = apply_recompute(model, self.ctx.recipe, self.recompute(self.ctx.recipe), self.activations, self.flops)
         self.gradients_between = 0  # the most bytes of whole gradients held between micro-batches
         precision = self.ctx.recipe.train.precision
         policy = MixedPrecisionPolicy(

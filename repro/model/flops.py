@@ -138,7 +138,9 @@ def megatron(cell: Cell) -> StepFlops:
     linears, attention = 24 * n * d * d // tp, 4 * b * s * s * d // tp
     head = 2 * n * d * (-(-shape.vocab // tp))
     forward = shape.n_layer * (linears + attention) + head
-    recompute = cell.recomputed * (linears + attention)  # megatron-core's checkpoint is reentrant: whole blocks
+    # megatron-core's full recompute (CheckpointFunction, reentrant) redoes whole layers, its selective one
+    # attention's core (the scores' and the context's products) in every layer
+    recompute = cell.recomputed * (linears + attention) + (shape.n_layer * attention if cell.selective else 0)
     return StepFlops(forward, 2 * forward, recompute, optimizer_flops(cell, megatron_elements(shape, tp)))
 
 
