@@ -199,10 +199,21 @@ def profile_path(folder: Path) -> Path:
     return folder / f"platform-{slug}.yaml"
 
 
-def calibrated(folder: Path, again: bool = False) -> platforms.Platform:
-    """This machine's profile from `folder` where one was made for its CPU model, else measured and kept there."""
-    path = profile_path(folder)
-    if path.is_file() and not again:
-        return platforms.load(path)
-    platforms.dump(measure(), path)
+def shared_folder() -> Path:
+    """Where a single `repro run` keeps this machine's profile for the next, whatever its store: the user's
+    cache ($XDG_CACHE_HOME/repro, else ~/.cache/repro), so that runs with stores of their own (tests,
+    scratch stores) measure the machine once."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "repro"
+
+
+def calibrated(folder: Path, again: bool = False, shared: bool = False) -> platforms.Platform:
+    """This machine's profile from `folder` where one was made for its CPU model (with `shared`, else from
+    `shared_folder()`), otherwise measured now and kept there (and, with `shared`, in the shared folder)."""
+    path, copy = profile_path(folder), profile_path(shared_folder())
+    for kept in (path, copy) if shared else (path,):
+        if kept.is_file() and not again:
+            return platforms.load(kept)
+    profile = measure()
+    for target in (path, copy) if shared else (path,):
+        platforms.dump(profile, target)
     return platforms.load(path)

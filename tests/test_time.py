@@ -72,6 +72,9 @@ def test_a_kept_profile_is_read_back_as_written_and_reused(tmp_path, monkeypatch
     monkeypatch.setattr(calibrate, "measure", lambda: pytest.fail("a kept profile is measured again"))
     assert dataclasses.replace(calibrate.calibrated(tmp_path), path="") == cpu_profile()
     assert calibrate.store_folder(f"sqlite:///{tmp_path}/mlflow.db") == tmp_path
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # a run's store elsewhere reuses the shared copy
+    platforms.dump(cpu_profile(), calibrate.profile_path(calibrate.shared_folder()))
+    assert dataclasses.replace(calibrate.calibrated(tmp_path / "store", shared=True), path="") == cpu_profile()
 
 
 def test_matmul_rate_is_the_share_of_the_largest_threshold_at_or_below_the_size():

@@ -197,7 +197,8 @@ def log_step_times(uri: str, checked: list[dict[str, Any]]) -> None:
 def check_run(recipe: Any, uri: str, experiment: str) -> str | None:
     """A single `repro run`'s step-time check, logged on its MLflow run (`log_step_times`): on a CPU with
     no more processes than cores, its step time against this machine's profile (calibrated on first use
-    and kept beside the store: repro.calibrate). One line with the verdict, or None."""
+    and kept beside the store and in the user's cache: repro.calibrate.shared_folder). One line with the
+    verdict, or None."""
     from repro import calibrate
     from repro.cell import Cell
     from repro.hardware import cpu_cores
@@ -210,7 +211,7 @@ def check_run(recipe: Any, uri: str, experiment: str) -> str | None:
     results = [result for result in collect([cell], uri, experiment) if result.ok]
     if not results:
         return None
-    checked = checks(results, calibrate.calibrated(calibrate.store_folder(uri)), cpu_cores())
+    checked = checks(results, calibrate.calibrated(calibrate.store_folder(uri), shared=True), cpu_cores())
     log_step_times(uri, checked)
     row = next((row for row in checked[0].get("rows", []) if row["quantity"] == "step_time"), None)
     if row is None or row["error"] is None:
