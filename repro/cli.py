@@ -12,7 +12,7 @@ import click
 
 from repro import registry
 from repro.cli_base import MODELS, SCALES, OneLineErrors, fail
-from repro.cli_matrix import convergence, parity, predict, table2
+from repro.cli_matrix import calibrate, convergence, parity, predict, table2
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -114,6 +114,12 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
         fail(f"run ended with exit code {outcome.returncode}; output kept in {outcome.run_dir}", outcome.returncode)
     if launcher == "local" and outcome.run_id:
         click.echo(f"run {outcome.run_id} finished; files in {outcome.run_dir}", err=True)
+        if not dry_run:
+            from repro.report.model_check import check_run
+
+            verdict = check_run(resolved, tracking.tracking_uri(tracking_uri), experiment)
+            if verdict:
+                click.echo(verdict, err=True)
     elif launcher == "local" and outcome.status:  # it trained while MLflow did not answer (repro.deferred)
         click.echo(f"run finished, not in MLflow yet (repro sync {outcome.run_dir}); files in {outcome.run_dir}", err=True)
 
@@ -260,7 +266,7 @@ def verify(name: str, deep: bool) -> None:
     click.echo(f"{name}: ok ({verified.root}, sha256 {verified.sha256}; {verified.check})")
 
 
-for command in (table2, parity, convergence, predict):
+for command in (table2, parity, convergence, predict, calibrate):
     main.add_command(command)
 
 

@@ -46,7 +46,7 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
     from repro import tracking
     from repro import table2 as matrix_module
     from repro.matrix import expand, load_matrix
-    from repro.report.build import EarlyReports, write_reports
+    from repro.report.build import EarlyReports, machine_profile, write_reports
 
     uri = tracking.tracking_uri(tracking_uri)
     experiment = experiment or f"table2-{scale}"
@@ -83,7 +83,9 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         study = study_module.run_study(scale, uri, f"convergence-{scale}", execute=not reports_only)
         for path in study_module.write(study, reports):
             click.echo(str(path))
-    for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings):
+    # this machine's profile for the step-time check: the one kept beside the store, or measured now, once
+    platform = machine_profile(uri, measure=True) if scale == "smoke" else None
+    for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings, platform=platform):
         click.echo(str(path))
 
 
@@ -182,7 +184,11 @@ def convergence(scale: str, seeds: int, evals: int, steps_per_eval: int, only: s
                    "train.batch_per_gpu) under which the predicted peak fits DEVICE: "
                    f"{', '.join(GPU_MEMORY_GIB)} or [NAME=]SIZE as for --gpu-memory. Recompute runs each recomputed "
                    "block's forward again, so micro-batches come first; only what the cell's framework applies is tried.")
-def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fit_device: str | None) -> None:
+@click.option("--platform", "platform_name", metavar="lassen|thetagpu|FILE",
+              help="Step and epoch time of every cell on this platform profile (configs/platforms/, or a file "
+                   "`repro calibrate` wrote), instead of memory.")
+def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fit_device: str | None,
+            platform_name: str | None) -> None:
     """Memory per GPU and communication per step of every Table 2 cell, predicted by the cost model.
 
     \b
@@ -198,11 +204,14 @@ def predict(scale: str, models: tuple[str, ...], gpu_memory: tuple[str, ...], fi
       repro predict
       repro predict --model gpt2 --gpu-memory 24GiB
       repro predict --model gpt2 --fit V100-16GB
+      repro predict --platform thetagpu
     """
     from repro.hardware import paper_gpu_memory
     from repro.model.flops import step_flops
     from repro.model.predict import matrix_predictions, memory_minimum, paper_devices, paper_fit
 
+    if platform_name:
+        return print_times(models or MODELS, scale, platform_name)
     if fit_device:
         known = fit_device in GPU_MEMORY_GIB
         name, size = (fit_device, GPU_MEMORY_GIB[fit_device]) if known else device("--fit", fit_device)
@@ -274,3 +283,64 @@ def print_fits(workloads: tuple[str, ...], scale: str, name: str, size: float) -
         by_state = sum(1 for entry in fitted if entry["prediction"].estimated_peak is None)
         click.echo(f"  {len(fitted)} of {len(fits)} cells fit {name}: {written} as written, {len(fitted) - written} "
                    f"with a setting{f'; {by_state} of them by model state alone' if by_state else ''}")
+
+
+def print_times(workloads: tuple[str, ...], scale: str, name: str) -> None:
+    """`repro predict --platform`: per cell the predicted step time, its terms, and the epoch's time; then
+    the ranking at the largest GPU count and Megatron's fastest tensor x data split at 8 GPUs and more."""
+    from repro.model import platforms
+    from repro.model.predict import fastest_split, matrix_times
+    from repro.schema import RecipeError
+
+    try:
+        platform = platforms.load(name)
+    except RecipeError as error:
+        fail(str(error))
+    note = "published figures with a stated efficiency: an assumption" if platform.assumption else "measured"
+    for workload in workloads:
+        click.echo(f"{workload}, {scale} scale, on {platform.name} ({note}; {platform.ranks_per_node} GPUs a node): "
+                   "seconds a step (compute + exposed communication + pipeline bubble), seconds an epoch")
+        click.echo(f"  {'row':<16}{'gpus':>5}{'step':>9}{'compute':>9}{'comm':>9}{'bubble':>9}{'steps':>9}{'epoch s':>9}")
+        rows = matrix_times(workload, platform, scale)
+        for entry in rows:
+            step, epoch = entry["step"], "-" if entry["epoch_s"] is None else f"{entry['epoch_s']:.0f}"
+            click.echo(f"  {entry['row']:<16}{entry['gpus']:>5}{step.total_s:>9.3f}{step.compute_s:>9.3f}{step.exposed_s:>9.3f}"
+                       f"{step.bubble_s:>9.3f}{entry['epoch_steps'] or '-':>9}{epoch:>9}")
+        most = max(entry["gpus"] for entry in rows)
+        timed = sorted((entry for entry in rows if entry["gpus"] == most and entry["epoch_s"]), key=lambda e: e["epoch_s"])
+        click.echo(f"  at {most} GPUs, fastest epoch first: " + ", ".join(f"{e['row']} {e['epoch_s']:.0f} s" for e in timed))
+        if workload == "gpt2":
+            for gpus in (g for g in sorted({entry["gpus"] for entry in rows}) if g >= 8):
+                splits = fastest_split(workload, gpus, platform, scale)
+                click.echo(f"  megatron at {gpus} GPUs, tensor x data, fastest first: " +
+                           ", ".join(f"{tp}x{gpus // tp} {seconds:.3f} s" for tp, seconds in splits[:4]))
+
+
+@click.command()
+@click.option("--tracking-uri", help="The MLflow store whose folder keeps the profile (default: $MLFLOW_TRACKING_URI, "
+                                     "else sqlite:///mlflow.db).")
+@click.option("--again", is_flag=True, help="Measure even where a profile of this CPU model is kept.")
+def calibrate(tracking_uri: str | None, again: bool) -> None:
+    """Measure this machine and keep its platform profile for the step-time model.
+
+    \b
+    Matrix-multiply rate by size, memory bandwidth, the host's cost per dispatched operation of each
+    workload, and each collective's latency and bandwidth between 2 gloo processes (repro/calibrate.py),
+    one thread a process as the CPU stand-ins train; under a minute. Kept beside the MLflow store,
+    one file per CPU model, and reused; `repro predict --platform FILE` reads it.
+
+    \b
+    Examples:
+      repro calibrate
+      repro calibrate --again
+    """
+    from repro import calibrate as calibration
+    from repro.tracking import tracking_uri as resolve
+
+    platform = calibration.calibrated(calibration.store_folder(resolve(tracking_uri)), again)
+    click.echo(platform.path)
+    click.echo(f"  matrix multiply: {platform.matmul.peak['fp32'] / 1e9:.1f} GFLOP/s at the largest size; "
+               f"memory {platform.memory.bandwidth / 1e9:.1f} GB/s; dispatch " +
+               ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in platform.dispatch_s.items()))
+    for kind, link in platform.collectives["intra"].items():
+        click.echo(f"  {kind}: {link.latency_s * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s on the wire")

@@ -68,4 +68,6 @@ FLOP_PHASES = ("forward", "backward", "recompute")  # what repro.flops counts a 
 FLOPS = "flops/{}"  # {} is a FLOP phase or total: one step's counted FLOPs (repro.flops), busiest rank
 COMM_BYTES = "comm/bytes_per_step"  # payload a rank hands to its process groups in one step (repro.communication), busiest rank
 MODEL_CHECK = "model/{}_{}"  # {quantity}_{bytes|count|error}: the cost model's figure for a run (count: FLOPs), and its relative error (logged at its end)
+STEP_TIME_PREDICTED = "model/step_time_predicted"  # the step-time model's seconds a step on this machine's profile
+STEP_TIME_ERROR = "model/step_time_error"  # its relative error against the framework's measured median step
 COMM_KIND_BYTES = "comm/{}_bytes_per_step"  # {} is an operation kind (all_reduce, send, boundary:activation, ...)

@@ -266,20 +266,25 @@ def megatron(cell: Cell) -> Prediction:
     tp = cell.option("tp", 1)
     if cell.shape.n_head % tp or cell.gpus % tp:
         raise ValueError(f"megatron: tp {tp} must divide the heads ({cell.shape.n_head}) and the GPUs ({cell.gpus})")
-    dp = cell.gpus // tp
-    psi = megatron_elements(cell.shape, tp)
-    count = tensor_count(cell.shape)
-    tokens = cell.batch_per_gpu * tp * cell.shape.seq_len
-    reduced = FP32 * 3 * tokens
-    if tp > 1:  # full recompute runs each recomputed layer's forward, and its two all-reduces, again
-        reduced += FP32 * tokens * cell.shape.d_model * (4 * cell.shape.n_layer + 2 + 2 * cell.recomputed)
-        reduced += FP32 if cell.option("grad_clip", None) else 0
-    if dp > 1:
-        reduced += FP32 * psi
+    psi, count = megatron_elements(cell.shape, tp), tensor_count(cell.shape)
+    reduced = sum(megatron_reduced(cell))
     # on GPUs the adapter takes Transformer Engine's fused layers where installed: their activations are not modelled
     local = cell.device == "cpu" or importlib.util.find_spec("transformer_engine") is None
     return Prediction(FP32 * psi, FP32 * psi, optimizer_bytes(cell, psi, count),
                       megatron_activations(cell, tp) if local else None, {"all_reduce": reduced})
+
+
+def megatron_reduced(cell: Cell) -> tuple[int, int]:
+    """(bytes all-reduced over the tensor-parallel group, over the data-parallel group) per step: the
+    terms of `megatron`'s payload, apart because they cross different links (repro.model.time)."""
+    tp = cell.option("tp", 1)
+    tokens = cell.batch_per_gpu * tp * cell.shape.seq_len
+    within = FP32 * 3 * tokens
+    if tp > 1:  # full recompute runs each recomputed layer's forward, and its two all-reduces, again
+        within += FP32 * tokens * cell.shape.d_model * (4 * cell.shape.n_layer + 2 + 2 * cell.recomputed)
+        within += FP32 if cell.option("grad_clip", None) else 0
+    across = FP32 * megatron_elements(cell.shape, tp) if cell.gpus // tp > 1 else 0
+    return within, across
 
 
 def megatron_activations(cell: Cell, tp: int) -> int:

@@ -311,3 +311,16 @@ def pipedream(cell: Cell) -> Prediction:
     per_micro, _, _ = stage_activations(cell, sizes, cell.batch_per_gpu)
     held = max((stages - stage) * per_micro[stage] for stage in range(stages))
     return Prediction(weights, grads, optimizer, held, comm)
+
+
+def schedule_slots(schedule: str, ranks: int, per_rank: int, micro: int) -> float:
+    """A step's length in a rank's micro-batch slots (one micro-batch's forward and backward through
+    the rank's stages), the busiest rank's `micro` slots of work included: GPipe and 1F1B fill and drain
+    the pipeline in ranks - 1 slots (Huang et al. 2019; Narayanan et al. 2021, section 2.2); with
+    `per_rank` stages a rank (interleaved 1F1B, zero bubble) each slot of the fill is 1/per_rank as long
+    (Narayanan et al. 2021, section 2.2: the bubble shrinks by the number of model chunks; zero bubble's
+    further split of the backward is not modelled); PipeDream's steady state has none (Narayanan et al.
+    2019, 1F1B in steady state: every stage busy)."""
+    if schedule == "pipedream":
+        return float(micro)
+    return micro + (ranks - 1) / per_rank

@@ -278,3 +278,43 @@ def quoted(values: list[str]) -> str:
     bounds = ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in costs.BOUNDS.items())
     return (f"predicted by the cost model (checked against counted smoke runs to {bounds}; "
             f"Megatron's bf16 activations unchecked): {'; '.join(values)}")
+
+
+def recipe_dataset(workload: str, scale: str) -> str:
+    return yaml.safe_load(recipe_path(workload, scale).read_text())["data"]["dataset"]
+
+
+def matrix_times(workload: str, platform: Any, scale: str = "paper") -> list[dict[str, Any]]:
+    """matrix_predictions' rows with the step time on `platform` (repro.model.time.StepTime), steps an
+    epoch and epoch time (None where the dataset's size is not known to the model)."""
+    from repro.model import time
+
+    dataset, out = recipe_dataset(workload, scale), []
+    for entry in matrix_predictions(workload, scale):
+        step = time.step_time(entry["cell"], platform)
+        steps = time.epoch_steps(entry["cell"], dataset)
+        out.append({**entry, "step": step, "epoch_steps": steps, "epoch_s": None if steps is None else steps * step.total_s})
+    return out
+
+
+def epoch_seconds(workload: str, row_name: str, gpus: int, platform: Any, scale: str = "paper") -> float | None:
+    """A Table 2 row's predicted epoch time on `platform` (None: not modelled, or the dataset's size unknown)."""
+    from repro.model import time
+
+    cell = row_cell(workload, row_name, gpus, scale)
+    if cell is None or predict_row(workload, row_name, gpus, scale, cell=cell) is None:
+        return None
+    steps = time.epoch_steps(cell, recipe_dataset(workload, scale))
+    return None if steps is None else steps * time.step_time(cell, platform).total_s
+
+
+def fastest_split(workload: str, gpus: int, platform: Any, scale: str = "paper") -> list[tuple[int, float]]:
+    """Megatron's (tensor-parallel size, step time) at `gpus` for every tp dividing the heads and the GPUs
+    (dp = gpus / tp), fastest first: which tensor x data split the model puts first on `platform`."""
+    from repro.model import time
+
+    cell = recipe_cell(workload, "megatron", gpus, scale)
+    splits = [tp for tp in range(1, gpus + 1) if gpus % tp == 0 and cell.shape.n_head % tp == 0]
+    timed = [(tp, time.step_time(dataclasses.replace(cell, options={**cell.options, "tp": tp}), platform).total_s)
+             for tp in splits]
+    return sorted(timed, key=lambda pair: pair[1])

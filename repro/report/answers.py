@@ -18,7 +18,7 @@ from repro.report.collect import Result
 from repro.report.convergence import effect_text, outcomes
 from repro.report.statistics import STALENESS
 from repro.report.evidence import COMM_CHECKS, MEMORY_CHECKS, Results, mib, thresholds_path
-from repro.report.predicted import model_error, paper_gpus_note
+from repro.report.predicted import first_prediction, model_error, paper_gpus_note, timing_error
 
 MEASURED, PREDICTED, NOT_TESTABLE = "measured here", "predicted at paper scale", "not testable here"
 FAMILIES = {  # the paper's three kinds of parallelism, and its hybrid, by matrix row
@@ -117,6 +117,13 @@ def rq1(res: Results) -> list[Sentence]:
     return out
 
 
+def rq1_at_scale(res: Results, paper_gpus: list[int]) -> list[Sentence]:
+    """RQ1's measured sentences and the predicted epoch time of each kind's fastest row at the paper's most GPUs."""
+    timed = time_sentence(res, f"the predicted epoch time of each kind's fastest row at {paper_gpus[-1]} GPUs",
+                          fastest_of_each_family(res, paper_gpus[-1]))
+    return rq1(res) + ([timed] if timed else [])
+
+
 def rq2(res: Results, paper_gpus: list[int]) -> list[Sentence]:
     out = []
     for w in res.workloads:
@@ -145,9 +152,11 @@ def rq2(res: Results, paper_gpus: list[int]) -> list[Sentence]:
         if beyond and w == res.workloads[-1]:
             reason = res.timed([r for row, r in res.at(w, beyond[-1]).items()])
             out.append(Sentence(f"Speed-up to {beyond[-1]} GPUs: {reason}.", NOT_TESTABLE))
-    return out[:3] + [prediction_sentence(res, "memory per GPU", paper_gpus,  # the prediction keeps its place
-                                          ("ddp", "zero", "megatron-intra", "torchgpipe"), lambda p: p.memory_bytes,
-                                          MEMORY_CHECKS)]
+    return with_time(out[:3] + [prediction_sentence(res, "memory per GPU", paper_gpus,  # the prediction keeps its place
+                                                    ("ddp", "zero", "megatron-intra", "torchgpipe"), lambda p: p.memory_bytes,
+                                                    MEMORY_CHECKS)],
+                     time_sentence(res, f"an epoch's predicted speed-up from {paper_gpus[0]} to {paper_gpus[-1]} GPUs",
+                                   predicted_speedups(res, ("ddp", "zero", "megatron-intra", "pipedream"), paper_gpus[0], paper_gpus[-1])))
 
 
 def prediction_sentence(res: Results, what: str, paper_gpus: list[int], rows: tuple[str, ...],
@@ -171,6 +180,69 @@ def prediction_sentence(res: Results, what: str, paper_gpus: list[int], rows: tu
     fits = paper_gpus_note(w, figures) if checks == MEMORY_CHECKS else ""  # memory against the paper's GPUs
     return Sentence(f"At the paper's scale ({w}), {what}: {'; '.join(parts)} ({model_error(quoted, checks)})"
                     + (f"; {fits}." if fits else "."), PREDICTED)
+
+
+def time_sentence(res: Results, what: str, per_platform: Callable[[str, str], str | None]) -> Sentence | None:
+    """`what` at the paper's scale as the step-time model predicts it on each shipped platform
+    (`per_platform(workload, platform)`: the figures, or None), with the model's checked error."""
+    from repro.model.platforms import SHIPPED
+
+    w = "gpt2" if "gpt2" in res.workloads or not res.workloads else res.workloads[0]
+    sample = first_prediction(res, w, ["ddp"], [1]) if res.predict else None
+    parts = [f"on {name} {text}" for name in SHIPPED if sample and (text := per_platform(w, name))]
+    if not parts:
+        return None
+    return Sentence(f"At the paper's scale ({w}), {what}: {'; '.join(parts)} ({timing_error(sample)}; the platforms' "
+                    "figures are published ones with a stated efficiency, configs/platforms/).", PREDICTED)
+
+
+def epoch_on(res: Results, w: str, row: str, gpus: int, platform: str) -> float | None:
+    p = res.predict(w, row, gpus) if res.predict else None
+    return p.epoch_s.get(platform) if p else None
+
+
+def fastest_of_each_family(res: Results, gpus: int) -> Callable[[str, str], str | None]:
+    def figures(w: str, platform: str) -> str | None:
+        best = {}
+        for family, rows in FAMILIES.items():
+            timed = {row: s for row in rows if (s := epoch_on(res, w, row, gpus, platform))}
+            if timed:
+                row = min(timed, key=timed.get)
+                best[family] = f"{family} {row} {timed[row]:.0f} s"
+        return ", ".join(best.values()) or None
+    return figures
+
+
+def predicted_speedups(res: Results, rows: tuple[str, ...], first: int, last: int) -> Callable[[str, str], str | None]:
+    def figures(w: str, platform: str) -> str | None:
+        pairs = {row: (epoch_on(res, w, row, first, platform), epoch_on(res, w, row, last, platform)) for row in rows}
+        return ", ".join(f"{row} x{a / b:.2f}" for row, (a, b) in pairs.items() if a and b) or None
+    return figures
+
+
+def zero_against_ddp(res: Results, counts: list[int]) -> Callable[[str, str], str | None]:
+    def figures(w: str, platform: str) -> str | None:
+        ratios = {g: (epoch_on(res, w, "zero", g, platform), epoch_on(res, w, "ddp", g, platform)) for g in counts}
+        return ", ".join(f"x{z / d:.2f} at {g} GPUs" for g, (z, d) in ratios.items() if z and d) or None
+    return figures
+
+
+def fastest_splits(counts: list[int]) -> Callable[[str, str], str | None]:
+    def figures(w: str, platform: str) -> str | None:
+        from repro.model import platforms
+        from repro.model.predict import fastest_split
+
+        if w != "gpt2":
+            return None
+        profile = platforms.load(platform)
+        return ", ".join(f"tp={tp} x dp={g // tp} at {g}" for g in counts for tp, _ in fastest_split(w, g, profile)[:1])
+    return figures
+
+
+def with_time(sentences: list[Sentence], timed: Sentence | None) -> list[Sentence]:
+    """`sentences` with the predicted-time sentence before the last (the memory or communication
+    prediction, which keeps its place at the end)."""
+    return sentences[:-1] + ([timed] if timed else []) + sentences[-1:]
 
 
 def rq3(res: Results) -> list[Sentence]:
@@ -257,8 +329,9 @@ def rq4(res: Results, paper_gpus: list[int]) -> list[Sentence]:
             out.append(Sentence(f"Its epoch time at {g} GPUs: {res.timed([z, d])}.", NOT_TESTABLE))
     if not out:
         out.append(Sentence("No ZeRO and DDP cells at 2 GPUs or more finished.", NOT_TESTABLE))
-    return out[:3] + [prediction_sentence(res, "memory per GPU", paper_gpus, ("ddp", "zero"), lambda p: p.memory_bytes,
-                                          MEMORY_CHECKS)]
+    return with_time(out[:3] + [prediction_sentence(res, "memory per GPU", paper_gpus, ("ddp", "zero"),
+                                                    lambda p: p.memory_bytes, MEMORY_CHECKS)],
+                     time_sentence(res, "ZeRO's predicted epoch time against DDP's", zero_against_ddp(res, paper_gpus)))
 
 
 def rq5(res: Results, paper_gpus: list[int]) -> list[Sentence]:
@@ -292,16 +365,17 @@ def rq5(res: Results, paper_gpus: list[int]) -> list[Sentence]:
                                 f"{cells[rival].epoch_time:.2f}s).", MEASURED))
     if not out:
         out.append(Sentence("No hybrid cell with data parallelism (dp > 1) finished.", NOT_TESTABLE))
-    return out[:3] + [prediction_sentence(res, "communication per GPU a step", paper_gpus,
-                                          ("megatron-hybrid", "megatron-intra", "ddp"), lambda p: p.comm_bytes,
-                                          COMM_CHECKS)]
+    return with_time(out[:3] + [prediction_sentence(res, "communication per GPU a step", paper_gpus,
+                                                    ("megatron-hybrid", "megatron-intra", "ddp"), lambda p: p.comm_bytes,
+                                                    COMM_CHECKS)],
+                     time_sentence(res, "Megatron's fastest tensor x data split by predicted step time", fastest_splits(paper_gpus)))
 
 
 def answer(res: Results, paper_gpus: list[int] | None = None) -> list[Answer]:
     """RQ1-RQ5 from the indexed results; `paper_gpus`: where the cost model is asked (findings.yaml's)."""
     if paper_gpus is None:
         paper_gpus = yaml.safe_load(thresholds_path().read_text())["hybrid_best_at_scale"]["paper_gpus"]
-    built = {"RQ1": rq1(res), "RQ2": rq2(res, paper_gpus), "RQ3": rq3(res), "RQ4": rq4(res, paper_gpus),
+    built = {"RQ1": rq1_at_scale(res, paper_gpus), "RQ2": rq2(res, paper_gpus), "RQ3": rq3(res), "RQ4": rq4(res, paper_gpus),
              "RQ5": rq5(res, paper_gpus)}
     return [Answer(key, QUESTIONS[key], sentences) for key, sentences in built.items()]
 

@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from repro import names
 from repro.hardware import PAPER_PLATFORMS, cpu_cores, this_platform
@@ -19,27 +19,31 @@ REPORT_RUN = "table2-report"
 
 def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str,
                   cores: int | None = None, predict: evidence.Predictor | None = None, final: bool = True,
-                  with_settings: tuple[list[Cell], str] | None = None) -> list[Path]:
+                  with_settings: tuple[list[Cell], str] | None = None, platform: Any = None) -> list[Path]:
     """Every report file; the findings also read the parity report already in `folder`, if any.
     `cores`: the machine's (default), which decides whether epoch times can be compared; `predict`:
     the cost model at paper scale (default: repro.model.predict, quoted with the errors of this run's model check);
     `final`: also log the files to the matrix's MLflow report run (not while the matrix still runs);
     `with_settings`: the parity runs with memory settings (repro.parity.setting_cells) and their experiment,
-    for the model check's section of them."""
+    for the model check's section of them; `platform`: this machine's profile (`machine_profile`), for the
+    model check's step-time rows (none without it)."""
     folder.mkdir(parents=True, exist_ok=True)
     results = collect(cells, uri, experiment)
     nodes = max((r.cell.recipe.run.nodes for r in results if r.ok), default=1)
     paths = tables.write_all(folder, "table2_platforms", [*PAPER_PLATFORMS, this_platform(nodes)], tables.PLATFORM_COLUMNS)
     paths += tables.write_all(folder, "results", tables.result_rows(results), tables.RESULT_COLUMNS)
     paths += figures.all_figures(results, folder)
-    checked = model_check.checks(results)
+    cores = cores or cpu_cores()
+    checked = model_check.checks(results, platform, cores)
+    if final:
+        model_check.log_step_times(uri, checked)
     settings_checked = []
     if with_settings:
         setting_cells, setting_experiment = with_settings
         settings_checked = model_check.setting_checks(collect(setting_cells, uri, setting_experiment))
     paths += model_check.write(folder, checked, settings_checked)
     predict = predict or model_check.paper_predictor(checked)
-    (parity, partings), cores, study = read_parity(folder), cores or cpu_cores(), read_study(folder)
+    (parity, partings), study = read_parity(folder), read_study(folder)
     verdicts = findings.judge(results, parity=parity, cores=cores, predict=predict, partings=partings, study=study)
     answered = answers.answer(evidence.Results(results, cores, parity, predict, partings, study))
     (folder / "findings.md").write_text(answers.markdown(answered) + "\n" + findings.markdown(verdicts))
@@ -50,6 +54,17 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     if final:
         log_report_run(uri, experiment, scale, paths, results)
     return paths
+
+
+def machine_profile(uri: str, measure: bool) -> Any:
+    """This machine's calibrated profile kept beside the MLflow store (repro.calibrate), measured now where
+    none is kept and `measure` (the final reports: not while cells train beside the measurement)."""
+    from repro import calibrate
+
+    folder = calibrate.store_folder(uri)
+    if measure or calibrate.profile_path(folder).is_file():
+        return calibrate.calibrated(folder)
+    return None
 
 
 class EarlyReports:
@@ -64,7 +79,8 @@ class EarlyReports:
 
     def __init__(self, cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str,
                  out: Callable[[str], None]):
-        self.write = partial(write_reports, cells, uri, experiment, folder, scale, final=False)
+        self.write = partial(write_reports, cells, uri, experiment, folder, scale, final=False,
+                             platform=machine_profile(uri, measure=False))
         self.folder, self.out = folder, out
         self.last, self.cost = time.monotonic(), 0.0
 

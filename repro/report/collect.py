@@ -37,6 +37,7 @@ class Result:
     memory_method: str = ""
     resumed_from_step: str = ""  # set when the run was stopped and continued from a checkpoint
     step_s: dict[str, list[float]] = field(default_factory=dict)  # median, p10, p90 -> per-epoch values
+    harness_us: float | None = None  # the loop's own time between the framework's steps, mean per step (last epoch)
     seeds: list[int] = field(default_factory=list)  # master seed of each finished repeat
     repeat_epoch_s: list[float] = field(default_factory=list)  # each finished repeat's median epoch time
 
@@ -55,6 +56,12 @@ class Result:
         """The median over epochs of the epochs' step-time `key` (median, p10 or p90)."""
         values = self.step_s.get(key)
         return statistics.median(values) if values else None
+
+    def framework_step_time(self) -> float | None:
+        """The median step time less the loop's own time between steps: the framework's step, what the
+        step-time model predicts (repro.model.time)."""
+        median = self.step_time()
+        return None if median is None else median - (self.harness_us or 0.0) / 1e6
 
     def epoch_interval(self) -> tuple[float, float, float] | None:
         """(low, high, coverage) of the median epoch time over the repeats (None with fewer than 2)."""
@@ -195,5 +202,6 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             memory_method=run.data.tags.get(names.MEMORY_METHOD, ""),
             resumed_from_step=run.data.tags.get(names.RESUMED_FROM_STEP, ""),
             step_s={k: history(mlflow_client, run_id, names.STEP_TIME.format(k)) for k in ("median", "p10", "p90")},
+            harness_us=run.data.metrics.get(names.HARNESS_TIME),
         ))
     return fold_repeats(results)

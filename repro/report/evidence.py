@@ -31,6 +31,9 @@ class Prediction:
     errors: dict[str, float] = field(default_factory=dict)  # quantity -> largest relative error of the row's cells
     checked_cells: int = 0  # how many of the row's smoke cells were counted against the model
     model_state_bytes: float | None = None  # per GPU, the part of memory_bytes that is not activations
+    epoch_s: dict[str, float] = field(default_factory=dict)  # platform profile -> predicted epoch time (repro.model.time)
+    time_error: float | None = None  # the step-time model's median error in this job's check (reports/model_check.md)
+    time_cells: int = 0  # the cells that check held it against
 
 
 # what each predicted figure is checked by: repro.model.costs.compare's quantities

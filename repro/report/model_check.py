@@ -3,33 +3,68 @@
 For each cell, model state (memory/model_state_bytes), activation peak (memory/activation_peak_bytes),
 payload per step (comm/bytes_per_step) and one step's FLOPs by phase (flops/*), busiest rank, against
 the cost model's figures for the cell's recipe, with the relative error and the bound it is held to
-(costs.BOUNDS, costs.FLOP_BOUNDS). A cell whose framework has no model, or a quantity the model leaves
-open, says so instead of a verdict. Each run logged the same check on its own MLflow run when it ended
-(names.MODEL_CHECK: repro.model.check).
+(costs.BOUNDS, costs.FLOP_BOUNDS). A cell whose framework has no model, or a quantity the model
+leaves open, says so instead of a verdict. Each run logged the same check on its own MLflow run when it
+ended (names.MODEL_CHECK: repro.model.check).
+
+Step time: each CPU cell of no more processes than the machine has cores, the framework's measured
+median step against repro.model.time's on this machine's calibrated profile (repro.calibrate), held to
+time.BOUND a cell and time.MEDIAN_BOUND over the cells' median; logged on each cell's run as
+names.STEP_TIME_PREDICTED and names.STEP_TIME_ERROR (`log_step_times`).
 """
 from __future__ import annotations
 
+import functools
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
-from repro.model import check as model_check, costs
+from repro import names, registry
+from repro.model import check as model_check, costs, time
+from repro.model.platforms import Platform
 from repro.report.collect import Result
 from repro.report.evidence import Prediction, Predictor
 
 QUANTITY_METRIC = {"model_state": "model_state_bytes", "activations": "activation_bytes", "comm": "comm_bytes"}
 
 
-def check(result: Result) -> dict[str, Any]:
-    """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none."""
+def check(result: Result, platform: Platform | None = None, cores: int = 0) -> dict[str, Any]:
+    """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none; with this
+    machine's `platform`, a step-time row for a CPU cell of at most `cores` processes (`step_time_row`)."""
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
     measured.update({f"flops_{phase}": count for phase, count in result.flops.items()})
-    return {**out, **model_check.check(result.cell.recipe, result.facts, measured)}
+    checked = {**out, **model_check.check(result.cell.recipe, result.facts, measured)}
+    processes = registry.plan_class(result.cell.recipe.run.framework).processes(result.cell.recipe)
+    if "rows" in checked and platform is not None and processes <= cores:
+        cell = costs.cell_of(result.cell.recipe, result.facts)
+        if cell.device == "cpu":
+            checked["rows"].append(step_time_row(result.framework_step_time(), time.step_time(cell, platform).total_s))
+    return checked
 
 
-def checks(results: list[Result]) -> list[dict[str, Any]]:
-    return [check(r) for r in results if r.ok and r.cell.recipe]
+def step_time_row(measured: float | None, modelled: float) -> dict[str, Any]:
+    """A row like costs.compare's for the step time: the framework's measured median step (seconds, the
+    loop's time between steps left out: Result.framework_step_time) against the model's on this machine."""
+    error = None if not measured else abs(measured - modelled) / measured
+    return {"quantity": "step_time", "unit": "seconds", "measured": measured, "modelled": modelled, "error": error,
+            "bound": time.BOUND, "within": None if error is None else error <= time.BOUND}
+
+
+def checks(results: list[Result], platform: Platform | None = None, cores: int = 0) -> list[dict[str, Any]]:
+    return [check(r, platform, cores) for r in results if r.ok and r.cell.recipe]
+
+
+def step_time_errors(checked: list[dict[str, Any]]) -> list[float]:
+    return [row["error"] for cell in checked for row in cell.get("rows", [])
+            if row["quantity"] == "step_time" and row["error"] is not None]
+
+
+def median_step_time_error(checked: list[dict[str, Any]]) -> float | None:
+    """The median of the step-time rows' errors: the model's checked error that timing predictions quote."""
+    errors = step_time_errors(checked)
+    return statistics.median(errors) if errors else None
 
 
 def setting_checks(results: list[Result]) -> list[dict[str, Any]]:
@@ -61,6 +96,14 @@ def markdown(checked: list[dict[str, Any]], with_settings: list[dict[str, Any]] 
              "Bounds: " + ", ".join(f"{q.replace('_', ' ')} {b:.0%}" for q, b in {**costs.BOUNDS, **costs.FLOP_BOUNDS}.items()) +
              ". The model: repro/model/costs.py; what it says at paper scale: `repro predict`.", "",
              "| cell | quantity | measured | modelled | error | within |", "|---|---|---|---|---|---|"]
+    median = median_step_time_error(checked)
+    if median is not None:
+        lines[2:2] = [f"Step time (seconds; cells of no more processes than cores, on this machine's calibrated profile, "
+                      f"the measured median less the loop's own time between steps): each within {time.BOUND:.0%}, "
+                      f"their median error at most {time.MEDIAN_BOUND:.0%}; median error "
+                      f"{median:.1%} over {len(step_time_errors(checked))} cells: "
+                      f"{'holds' if median <= time.MEDIAN_BOUND else '**does not hold**'}. The model: repro/model/time.py, "
+                      "docs/time.md; at paper scale: `repro predict --platform lassen|thetagpu`.", ""]
     lines += table_lines(checked)
     if with_settings:
         lines += ["", "## Runs with memory settings: recompute and micro-batches", "",
@@ -83,7 +126,7 @@ def table_lines(checked: list[dict[str, Any]]) -> list[str]:
         for row in cell["rows"]:
             verdict = {True: "yes", False: "**no**", None: "not counted" if row["measured"] is None else "not modelled"}
             error = "" if row["error"] is None else f"{row['error']:.2%}"
-            lines.append(f"| {label} | {row['quantity']} | {fmt(row['measured'])} | {fmt(row['modelled'])} | "
+            lines.append(f"| {label} | {row['quantity']} | {fmt(row['measured'], row['unit'])} | {fmt(row['modelled'], row['unit'])} | "
                          f"{error} | {verdict[row['within']]} |")
     return lines
 
@@ -91,15 +134,24 @@ def table_lines(checked: list[dict[str, Any]]) -> list[str]:
 def paper_predictor(checked: list[dict[str, Any]]) -> Predictor:
     """The cost model at paper scale for the findings and answers: each cell's predicted memory per GPU
     (model state + activations, where both are modelled) and payload per step, with the largest error
-    that the same framework's cells showed here against the counters."""
-    from repro.model.predict import predict_row
+    that the same framework's cells showed here against the counters; and its epoch time on each
+    shipped platform profile (repro.model.time), with the median step-time error of this job's check."""
+    from repro.model import platforms
+    from repro.model.predict import epoch_seconds, predict_row
 
+    profiles = {name: platforms.load(name) for name in platforms.SHIPPED}
+    time_error, time_cells = median_step_time_error(checked), len(step_time_errors(checked))
+
+    @functools.lru_cache(maxsize=None)  # findings and answers ask for the same cells again
     def predicted(workload: str, row: str, gpus: int) -> Prediction | None:
         prediction = predict_row(workload, row, gpus)
         if prediction is None:
             return None
+        epochs = {name: epoch_seconds(workload, row, gpus, profile) for name, profile in profiles.items()}
         return Prediction(prediction.estimated_peak, prediction.comm_bytes, *checked_errors(checked, row),
-                          model_state_bytes=prediction.model_state)
+                          model_state_bytes=prediction.model_state,
+                          epoch_s={name: s for name, s in epochs.items() if s is not None},
+                          time_error=time_error, time_cells=time_cells)
 
     return predicted
 
@@ -115,8 +167,11 @@ def checked_errors(checked: list[dict[str, Any]], row: str) -> tuple[dict[str, f
     return worst, len(cells) if worst else 0
 
 
-def fmt(value: float | None) -> str:
-    return "" if value is None else f"{int(value):,}"
+def fmt(value: float | None, unit: str = "bytes") -> str:
+    """Bytes and FLOPs as integers, seconds to 4 significant digits."""
+    if value is None:
+        return ""
+    return f"{value:.4g}" if unit == "seconds" else f"{int(value):,}"
 
 
 def write(folder: Path, checked: list[dict[str, Any]], with_settings: list[dict[str, Any]] = ()) -> list[Path]:
@@ -124,3 +179,42 @@ def write(folder: Path, checked: list[dict[str, Any]], with_settings: list[dict[
     (folder / "model_check.md").write_text(markdown(checked, with_settings))
     (folder / "model_check.json").write_text(json.dumps([*checked, *with_settings], indent=2))
     return [folder / "model_check.md", folder / "model_check.json"]
+
+
+def log_step_times(uri: str, checked: list[dict[str, Any]]) -> None:
+    """Each cell's step-time row on its own MLflow run (the rest of its check the run logged when it ended)."""
+    from repro import tracking
+
+    for cell in checked:
+        for row in cell.get("rows", []):
+            if row["quantity"] == "step_time":
+                values = {names.STEP_TIME_PREDICTED: row["modelled"]}
+                if row["error"] is not None:
+                    values[names.STEP_TIME_ERROR] = row["error"]
+                tracking.Run.connect(uri, cell["run_id"]).log_values(values)
+
+
+def check_run(recipe: Any, uri: str, experiment: str) -> str | None:
+    """A single `repro run`'s step-time check, logged on its MLflow run (`log_step_times`): on a CPU with
+    no more processes than cores, its step time against this machine's profile (calibrated on first use
+    and kept beside the store and in the user's cache: repro.calibrate.shared_folder). One line with the
+    verdict, or None."""
+    from repro import calibrate
+    from repro.cell import Cell
+    from repro.hardware import cpu_cores
+    from repro.report.collect import collect
+
+    processes = registry.plan_class(recipe.run.framework).processes(recipe)
+    if costs.cell_of(recipe).device != "cpu" or processes > cpu_cores():
+        return None
+    cell = Cell(recipe.workload, recipe.run.framework, recipe.run.framework, recipe.run.gpus, recipe)
+    results = [result for result in collect([cell], uri, experiment) if result.ok]
+    if not results:
+        return None
+    checked = checks(results, calibrate.calibrated(calibrate.store_folder(uri), shared=True), cpu_cores())
+    log_step_times(uri, checked)
+    row = next((row for row in checked[0].get("rows", []) if row["quantity"] == "step_time"), None)
+    if row is None or row["error"] is None:
+        return None
+    return (f"step-time check: measured {row['measured'] * 1e3:.1f} ms, modelled {row['modelled'] * 1e3:.1f} ms "
+            f"(error {row['error']:.1%}, bound {row['bound']:.0%}; repro/model/time.py)")

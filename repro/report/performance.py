@@ -9,12 +9,15 @@ from typing import Any
 from repro.report import settings as run_settings
 from repro.report.collect import Result, not_separable
 from repro.report.evidence import FAILS, HOLDS, NOT_TESTABLE, Results, combine, mib, untimed
-from repro.report.predicted import (megatron_memory_predicted, pipeline_memory_predicted, predicted_hybrid,
-                                    zero_memory_predicted)
+from repro.report.predicted import (hybrid_time_predicted, megatron_memory_predicted, pipeline_memory_predicted,
+                                    pipelines_slowest_predicted, predicted_hybrid, zero_memory_predicted,
+                                    zero_time_predicted)
 
 
 def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
-    verdicts, notes = [], []
+    """ZeRO's saving against DDP and its epoch time; where no epoch time is testable here, the time clause
+    at the paper's scale as the step-time model predicts it."""
+    verdicts, notes, timed = [], [], False
     low, high = t["saving_range"]
     for w in res.workloads:
         counts = [g for g in res.gpus(w, "zero") if g >= t["from_gpus"] and res.get(w, "ddp", g)]
@@ -37,6 +40,7 @@ def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
             if why_not:
                 note += f"; epoch-time clause {why_not}"
             else:
+                timed = True
                 ratio = zero.epoch_time / ddp.epoch_time
                 ok = ok and ratio <= t["max_time_ratio"]
                 note += f"; epoch time x{ratio:.2f} of DDP"
@@ -49,7 +53,8 @@ def zero_memory(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
             notes.append(f"{w}: saving {'grows' if grows else 'does not grow'} with GPUs "
                          f"({' -> '.join(f'{s:.0%}' for s in savings)})")
     notes += zero_memory_predicted(res, t["from_gpus"], (low, high))
-    return combine(verdicts), notes
+    predicted = zero_time_predicted(res, t["from_gpus"], t["max_time_ratio"], notes)
+    return combine(verdicts + (predicted if not timed else [])), notes
 
 
 def pipelines_slowest(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
@@ -73,7 +78,8 @@ def pipelines_slowest(res: Results, t: dict[str, Any]) -> tuple[str, list[str]]:
             slowest = set(ranking[: len(present)]) == set(present)
             verdicts.append(HOLDS if slowest else FAILS)
             notes.append(f"{w} {g} GPUs, slowest first: " + ", ".join(f"{row} {cells[row].epoch_time:.2f}s" for row in ranking))
-    return combine(verdicts), notes
+    predicted = pipelines_slowest_predicted(res, t, notes)  # the verdict where nothing here is timed
+    return combine(verdicts if {HOLDS, FAILS} & set(verdicts) else verdicts + predicted), notes
 
 
 def memory_series(res: Results, w: str, row: str, label: str, verdicts: list[str],
@@ -163,8 +169,11 @@ def hybrid_best_at_scale(res: Results, t: dict[str, Any]) -> tuple[str, list[str
                      f"{mib(memory[t['row']])}; " + ", ".join(f"{row} {mib(m)}" for row, m in memory.items() if row != t["row"])
                      + f" ({'below' if leaner else 'not below'} every data-parallel row)")
         why_not = untimed(res, [hybrid, *others.values()])
+        timed_verdicts, timed_notes = hybrid_time_predicted(res, w, t)
         if why_not:
-            notes.append(f"{w} {g} GPUs: timing clause {why_not}; the verdict rests on memory and communication")
+            notes.append(f"{w} {g} GPUs: timing clause {why_not}; the verdict rests on memory"
+                         + (", communication and the predicted epoch times" if timed_verdicts else " and communication"))
+            verdicts += timed_verdicts
         else:
             fastest = min(others, key=lambda row: others[row].epoch_time)
             quicker = hybrid.epoch_time <= others[fastest].epoch_time
@@ -172,4 +181,5 @@ def hybrid_best_at_scale(res: Results, t: dict[str, Any]) -> tuple[str, list[str
             notes.append(f"{w} {g} GPUs: epoch time {t['row']} {hybrid.epoch_time:.2f}s, fastest other {fastest} "
                          f"{others[fastest].epoch_time:.2f}s")
         verdicts += predicted_hybrid(res, w, t, notes)
+        notes += timed_notes
     return combine(verdicts), notes

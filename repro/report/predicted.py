@@ -186,3 +186,116 @@ def u_terms(figures: dict[int, Prediction]) -> str:
             f"{mib(state[last])}), activations x{active[last] / active[first]:.2f} ({mib(active[first])} -> {mib(active[last])})"
             + (": by the paper's rule the tp group's batch grows with the GPU count, and what tp does not split grows "
                "with it" if active[last] > active[first] else ""))
+
+
+def timing_error(p: Prediction) -> str:
+    """The step-time model's checked error, as the timing predictions quote it."""
+    if p.time_error is None:
+        return "step-time model not checked here: no cell of no more processes than cores timed"
+    return f"step-time model checked here to a median error of {p.time_error:.1%} over {p.time_cells} cells (reports/model_check.md)"
+
+
+def predicted_epochs(res: Results, w: str, gpus: int, rows: list[str]) -> dict[str, dict[str, float]]:
+    """Platform -> row -> predicted epoch time at paper scale, for the rows the model times at `gpus`."""
+    out: dict[str, dict[str, float]] = {}
+    for row in rows:
+        p = res.predict(w, row, gpus) if res.predict else None
+        for name, seconds in (p.epoch_s if p else {}).items():
+            out.setdefault(name, {})[row] = seconds
+    return out
+
+
+def first_prediction(res: Results, w: str, rows: list[str], gpus: list[int]) -> Prediction | None:
+    return next((p for g in gpus for row in rows if (p := res.predict(w, row, g)) is not None and p.epoch_s), None)
+
+
+def predicted_verdict(points: list[str]) -> str:
+    """`holds` where every point of a prediction says yes, else `does not hold` (the points say where)."""
+    return HOLDS if all(" yes " in f"{point} " for point in points) else FAILS
+
+
+def on_platform(name: str) -> str:
+    return f"on {name} (published figures with a stated efficiency, configs/platforms/{name}.yaml: an assumption)"
+
+
+def pipelines_slowest_predicted(res: Results, t: dict[str, Any], notes: list[str]) -> list[str]:
+    """Whether torchgpipe and PipeDream are the slowest per epoch at each of the paper's GPU counts from 2
+    (at 1 a pipeline is the whole model on one GPU) where at least `min_rows` rows are timed, on each
+    shipped platform: predictions, with the model's error."""
+    from repro.matrix import load_matrix
+
+    if res.predict is None:
+        return []
+    matrix = load_matrix()
+    rows, verdicts = [row.name for row in matrix.rows], []
+    counts = [g for g in matrix.scales["paper"].gpus if g >= 2]
+    for w in res.workloads:
+        sample = first_prediction(res, w, rows, counts)
+        by_platform: dict[str, list[str]] = {}
+        for g in counts:
+            for name, epochs in predicted_epochs(res, w, g, rows).items():
+                present = [row for row in t["rows"] if row in epochs]
+                if len(epochs) < t["min_rows"] or not present:
+                    continue
+                ranking = sorted(epochs, key=epochs.get, reverse=True)
+                slowest = set(ranking[: len(present)]) == set(present)
+                verdicts.append(HOLDS if slowest else FAILS)
+                by_platform.setdefault(name, []).append(
+                    f"{g} GPUs {'yes' if slowest else 'no'} (slowest {', '.join(f'{r} {epochs[r]:.0f} s' for r in ranking[:2])})")
+        for name, points in by_platform.items():
+            notes.append(f"{w} at paper scale {on_platform(name)}, the pipelines slowest per epoch, predicted "
+                         f"({timing_error(sample)}): {predicted_verdict(points)}: " + "; ".join(points))
+    return verdicts
+
+
+def zero_time_predicted(res: Results, from_gpus: int, max_ratio: float, notes: list[str]) -> list[str]:
+    """ZeRO's predicted epoch time against DDP's at the paper's GPU counts on each shipped platform: the
+    "no loss in performance" clause as a prediction, with the model's error."""
+    from repro.matrix import load_matrix
+
+    if res.predict is None:
+        return []
+    verdicts, counts = [], [g for g in load_matrix().scales["paper"].gpus if g >= from_gpus]
+    for w in res.workloads:
+        ratios: dict[str, list[str]] = {}
+        for g in counts:
+            for name, epochs in predicted_epochs(res, w, g, ["zero", "ddp"]).items():
+                if len(epochs) == 2:
+                    ratio = epochs["zero"] / epochs["ddp"]
+                    verdicts.append(HOLDS if ratio <= max_ratio else FAILS)
+                    ratios.setdefault(name, []).append(f"{g} GPUs x{ratio:.2f} {'yes' if ratio <= max_ratio else 'no'}")
+        sample = first_prediction(res, w, ["zero"], counts)
+        for name, points in ratios.items():
+            notes.append(f"{w} at paper scale {on_platform(name)}, ZeRO's epoch time against DDP's (at most x{max_ratio}), "
+                         f"predicted ({timing_error(sample)}): {predicted_verdict(points)}: {', '.join(points)}")
+    return verdicts
+
+
+def hybrid_time_predicted(res: Results, w: str, t: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The hybrid's predicted epoch time against the fastest other row at the paper's GPU counts on each
+    shipped platform (the verdict at the highest count), and Megatron's fastest tensor x data split there:
+    (verdicts, notes)."""
+    from repro.model import platforms
+    from repro.model.predict import fastest_split
+
+    sample = first_prediction(res, w, [t["row"]], t["paper_gpus"]) if res.predict else None
+    verdicts: list[str] = []
+    notes: list[str] = []
+    if sample is None:
+        return verdicts, notes
+    for name in sample.epoch_s:
+        points, quickest = [], None
+        for g in t["paper_gpus"]:
+            epochs = predicted_epochs(res, w, g, [t["row"], *t["against"]]).get(name, {})
+            if t["row"] not in epochs or len(epochs) < 2:
+                continue
+            fastest = min((row for row in epochs if row != t["row"]), key=epochs.get)
+            quickest = epochs[t["row"]] <= epochs[fastest]
+            split = fastest_split(w, g, platforms.load(name))[0][0]
+            points.append(f"{g} GPUs {t['row']} {epochs[t['row']]:.0f} s, fastest other {fastest} {epochs[fastest]:.0f} s, "
+                          f"fastest split tp={split} x dp={g // split}")
+        if quickest is not None:
+            verdicts.append(HOLDS if quickest else FAILS)
+            notes.append(f"{w} at paper scale {on_platform(name)}, epoch time, predicted ({timing_error(sample)}): "
+                         f"{HOLDS if quickest else FAILS} at {t['paper_gpus'][-1]} GPUs: " + "; ".join(points))
+    return verdicts, notes

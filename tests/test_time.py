@@ -1,0 +1,226 @@
+"""The step-time model (repro.model.time), platform profiles (repro.model.platforms) and `repro calibrate`'s
+keeping of a profile.
+
+Units: profiles load and refuse a bad field in one line naming file and field; the model's terms are
+the arithmetic docs/time.md writes down (topology, overlap, bubbles, epochs); the op counts are what
+bench/count_ops.py counts; `repro predict --platform` prints every cell without torch. The model's error
+against measured steps is held by reports/model_check.md on the main job, not here: timing on a shared
+test machine is not a number a unit test can assert.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from repro.model import costs, platforms, time
+from repro.model.flops import step_flops
+from repro.model.predict import recipe_cell, row_cell
+from repro.report import model_check
+from repro.schema import RecipeError
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.units
+
+
+def cpu_profile(**changes: object) -> platforms.Platform:
+    """A profile of a made-up CPU: one thread a rank, 2 ranks, gloo; round figures so sums are exact."""
+    link = platforms.Link(latency_s=1e-4, bandwidth=1e9)
+    profile = platforms.Platform(
+        name="test", device="cpu", ranks_per_node=2, backend="gloo",
+        matmul=platforms.Matmul(peak={"fp32": 1e11}, efficiency=[[0, 0.5], [1e6, 1.0]]),
+        memory=platforms.Memory(bandwidth=1e10), dispatch_s={"default": 1e-5}, dispatch_overlaps=False,
+        comm_overlaps=False, collectives={"intra": {"default": link}})
+    return dataclasses.replace(profile, **changes)
+
+
+@pytest.mark.parametrize("name,per_node", [("lassen", 4), ("thetagpu", 8)])
+def test_shipped_profiles_load_as_assumptions_with_sources(name, per_node):
+    profile = platforms.load(name)
+    assert profile.assumption and profile.sources and profile.ranks_per_node == per_node
+    assert profile.link("inter", "all_reduce").bandwidth == {"lassen": 25e9, "thetagpu": 200e9}[name]
+    assert profile.matmul.rate("fp16", 20e9) == {"lassen": 125e12, "thetagpu": 312e12}[name] * 0.9
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda raw: raw["collectives"]["intra"]["default"].update(bandwidth=-1), "collectives.intra.default.bandwidth"),
+    (lambda raw: raw["collectives"]["intra"].update(all_to_all={"latency_s": 0, "bandwidth": 1}), "collectives.intra.all_to_all"),
+    (lambda raw: raw["matmul"]["peak"].update(fp32="15.7e12"), "matmul.peak"),  # YAML reads 15.7e12 as a string
+    (lambda raw: raw.update(ranks_per_node=0), "ranks_per_node"),
+    (lambda raw: raw.pop("dispatch_s"), "dispatch_s"),
+])
+def test_a_bad_profile_fails_in_one_line_naming_file_and_field(tmp_path, edit, field):
+    raw = yaml.safe_load((REPO / "configs/platforms/lassen.yaml").read_text())
+    edit(raw)
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError) as error:
+        platforms.load(path)
+    assert str(error.value).startswith(f"{path}: {field}:") and "\n" not in str(error.value)
+
+
+def test_a_kept_profile_is_read_back_as_written_and_reused(tmp_path, monkeypatch):
+    from repro import calibrate
+
+    kept = calibrate.profile_path(tmp_path)
+    platforms.dump(cpu_profile(), kept)
+    monkeypatch.setattr(calibrate, "measure", lambda: pytest.fail("a kept profile is measured again"))
+    assert dataclasses.replace(calibrate.calibrated(tmp_path), path="") == cpu_profile()
+    assert calibrate.store_folder(f"sqlite:///{tmp_path}/mlflow.db") == tmp_path
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # a run's store elsewhere reuses the shared copy
+    platforms.dump(cpu_profile(), calibrate.profile_path(calibrate.shared_folder()))
+    assert dataclasses.replace(calibrate.calibrated(tmp_path / "store", shared=True), path="") == cpu_profile()
+
+
+def test_matmul_rate_is_the_share_of_the_largest_threshold_at_or_below_the_size():
+    matmul = platforms.load("thetagpu").matmul
+    assert [matmul.rate("bf16", size) for size in (1e8, 1e9, 15.9e9, 200e9)] == [312e12 * s for s in (0.1, 0.6, 0.6, 0.95)]
+    assert matmul.rate("fp8", 1e9) == 19.5e12 * 0.6  # a precision the profile does not list: fp32's
+
+
+def test_a_group_across_nodes_shares_the_nodes_network_between_the_groups_that_run_at_once():
+    lassen = platforms.load("lassen")
+    inter = lassen.link("inter", "all_reduce")
+    payload, wire = 2**30, costs.wire_bytes("all_reduce", 2**30, 16)
+    whole = time.collective_seconds(lassen, "all_reduce", payload, 16)  # DDP over 4 nodes: 4 ranks a node
+    assert whole == pytest.approx(inter.latency_s + wire / (25e9 * 0.9))
+    one_a_node = time.collective_seconds(lassen, "all_reduce", payload, 16, per_node=1)  # the hybrid's dp at tp=4
+    assert one_a_node == pytest.approx(inter.latency_s + 4 * wire / (25e9 * 0.9))
+    inside = time.collective_seconds(lassen, "all_reduce", payload, 4)
+    assert inside == pytest.approx(10e-6 + costs.wire_bytes("all_reduce", payload, 4) / (64e9 * 0.6))
+    assert time.collective_seconds(lassen, "all_reduce", payload, 1) == 0.0
+
+
+def test_megatron_hybrid_sends_its_tp_volume_inside_a_node_and_its_dp_volume_across():
+    thetagpu = platforms.load("thetagpu")
+    hybrid = recipe_cell("gpt2", "megatron", 64, sets=["megatron.tp=8"])
+    within, across = costs.megatron_reduced(hybrid)
+    step = time.step_time(hybrid, thetagpu)
+    calls = 4 * 24 + 2 + 2 * hybrid.recomputed  # f and g of each layer, the embedding's and the head's; again where recomputed
+    tp_comm = time.collective_seconds(thetagpu, "all_reduce", within, 8, calls)
+    dp_comm = time.collective_seconds(thetagpu, "all_reduce", across, 8, per_node=1)
+    assert step.comm_s == pytest.approx(tp_comm + dp_comm)
+    assert step.exposed_s >= tp_comm  # the tp all-reduces sit on the critical path
+    intra = thetagpu.link("intra", "all_reduce")
+    assert tp_comm == pytest.approx(calls * intra.latency_s + costs.wire_bytes("all_reduce", within, 8) / (300e9 * 0.6))
+
+
+def test_ddp_hides_its_all_reduce_behind_backward_but_the_last_bucket_where_the_platform_overlaps():
+    cell = recipe_cell("gpt2", "ddp", 2, "smoke")
+    cpu = cpu_profile()
+    step = time.step_time(cell, cpu)
+    assert step.exposed_s == step.comm_s > 0  # gloo on a CPU whose cores run the ranks: nothing hidden
+    overlapping = time.step_time(cell, dataclasses.replace(cpu, comm_overlaps=True))
+    bucket = min(4 * 220_544, time.DDP_BUCKET)
+    assert overlapping.exposed_s == pytest.approx(time.collective_seconds(cpu, "all_reduce", bucket, 2))
+
+
+def test_compute_is_flops_at_the_rate_plus_memory_plus_dispatch_on_a_cpu():
+    cell = recipe_cell("gpt2", "ddp", 1, "smoke")
+    flops, prediction = step_flops(cell), costs.predict(cell)
+    cpu = cpu_profile()
+    ops = (4 + 4 * 32 + 10) + (7 + 4 * 68 + 16) + 21 * 52 + 11  # bench/count_ops.py: forward, backward, LAMB
+    size = flops.forward / (4 * 6 + 1)
+    expected = ((flops.forward + flops.backward) / cpu.matmul.rate("fp32", size)
+                + (2 * prediction.activations + 3 * prediction.model_state) / 1e10 + ops * 1e-5)
+    assert time.step_time(cell, cpu).total_s == pytest.approx(expected)
+    gpu_like = dataclasses.replace(cpu, dispatch_overlaps=True)
+    assert time.step_time(cell, gpu_like).total_s == pytest.approx(max(expected - ops * 1e-5, ops * 1e-5))
+
+
+def test_a_pipelines_bubble_is_its_fill_and_drain_in_micro_batch_slots():
+    thetagpu = platforms.load("thetagpu")
+    cell = row_cell("gpt2", "torch-1f1b", 8)
+    step = time.step_time(cell, thetagpu)
+    micro = 2 * 8  # torch_pipeline.microbatches' default: 2 x GPUs
+    assert step.bubble_s == pytest.approx(step.compute_s * (8 - 1) / micro)
+    interleaved = dataclasses.replace(cell, options={**cell.options, "schedule": "interleaved-1f1b"})
+    assert time.pipeline_plan(interleaved)[1] == 2
+    looped = time.step_time(interleaved, thetagpu)
+    assert looped.bubble_s == pytest.approx(looped.compute_s * (8 - 1) / 2 / micro)
+    assert time.step_time(row_cell("gpt2", "pipedream", 8), thetagpu).bubble_s == 0.0
+
+
+def test_torchgpipe_on_cpu_stand_ins_runs_every_partition_on_one_host_without_a_bubble():
+    cell = row_cell("vgg16", "torchgpipe", 2, "smoke")
+    step = time.step_time(cell, cpu_profile())
+    assert step.bubble_s == 0.0 and step.comm_s == 0.0
+    one = time.step_time(dataclasses.replace(cell, gpus=1, options={**cell.options, "chunks_per_gpu": 8}), cpu_profile())
+    assert step.total_s == pytest.approx(one.total_s)  # the same 8 micro-batches through the same layers
+
+
+def test_an_epoch_is_its_steps_times_the_step():
+    cell = row_cell("vgg16", "ddp", 8)
+    assert time.epoch_steps(cell, "imagenet") == math.ceil(1_281_167 / (64 * 8))
+    gpt2 = row_cell("gpt2", "pipedream", 8)
+    assert time.epoch_steps(gpt2, "wikitext-103") == math.ceil(103_227_021 // 1024 / 32)
+    assert time.epoch_steps(cell, "digits") is None
+
+
+def test_predict_platform_prints_every_cell_and_the_splits_without_torch():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "repro.cli", "predict", "--platform", "lassen"],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    assert "torch" not in {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    lines = out.stdout.splitlines()
+    from repro.model.predict import matrix_times
+
+    rows = matrix_times("gpt2", platforms.load("lassen"))
+    for entry in rows:
+        step = entry["step"]
+        assert (f"  {entry['row']:<16}{entry['gpus']:>5}{step.total_s:>9.3f}{step.compute_s:>9.3f}{step.exposed_s:>9.3f}"
+                f"{step.bubble_s:>9.3f}{entry['epoch_steps']:>9}{entry['epoch_s']:>9.0f}") in lines
+    assert sum(line.startswith("  megatron at ") for line in lines) == 4  # 8, 16, 32 and 64 GPUs
+
+
+def test_predict_refuses_a_missing_profile_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "repro.cli", "predict", "--platform", "nowhere.yaml"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr == "repro: nowhere.yaml: no such profile; shipped: lassen, thetagpu, or a file\n"
+
+
+def test_step_time_rows_hold_each_cell_to_the_bound_and_the_median_to_its_own():
+    rows = [model_check.step_time_row(measured, 0.1) for measured in (0.1, 0.125, 0.08)]
+    assert [row["within"] for row in rows] == [True, True, False]  # errors 0, 0.2 (the bound itself), 0.25
+    assert rows[2]["error"] == pytest.approx(0.25)  # |0.08 - 0.1| / 0.08: relative to the measured step
+    checked = [{"cell": "gpt2 ddp 1g", "row": "ddp", "run_id": "r", "rows": rows}]
+    assert model_check.median_step_time_error(checked) == pytest.approx(0.2)
+    assert "median error 20.0% over 3 cells: **does not hold**" in model_check.markdown(checked)
+
+
+def test_the_op_counts_are_what_a_step_dispatches():
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "bench"))
+    from count_ops import step_ops
+
+    for layers in (2, 4):
+        counted = step_ops("gpt2", [f"model.n_layer={layers}"])
+        forward, backward, _ = time.layer_ops(recipe_cell("gpt2", "ddp", 1, "smoke", [f"model.n_layer={layers}"]).shape,
+                                              range(layers + 2))
+        per_tensor, fixed = time.OPTIMIZER_OPS["lamb"]
+        assert (counted["forward"], counted["backward"], counted["optimizer"]) == (forward, backward, per_tensor * counted["tensors"] + fixed)
+    vgg = step_ops("vgg16")
+    per_tensor, fixed = time.OPTIMIZER_OPS["adam"]
+    assert (vgg["forward"], vgg["backward"], vgg["optimizer"]) == (*time.VGG16_OPS, per_tensor * vgg["tensors"] + fixed)
+
+
+def test_a_cells_check_gains_a_step_time_row_only_where_its_processes_fit_the_cores():
+    from repro.cell import Cell as MatrixCell
+    from repro.recipe import load_file, recipe_path
+    from repro.report.collect import Result
+
+    def result(gpus: int) -> Result:
+        recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=ddp", f"run.gpus={gpus}"])
+        return Result(MatrixCell("gpt2", "ddp", "ddp", gpus, recipe), "FINISHED", run_id="r", epoch_s=[1.0],
+                      step_s={"median": [0.05, 0.07, 0.06]}, harness_us=5000.0)
+
+    two = model_check.check(result(2), cpu_profile(), cores=2)
+    row = next(row for row in two["rows"] if row["quantity"] == "step_time")
+    modelled = time.step_time(costs.cell_of(result(2).cell.recipe), cpu_profile()).total_s
+    assert (row["measured"], row["modelled"]) == (pytest.approx(0.06 - 0.005), modelled)  # median of the epochs' medians, less the loop's own
+    four = model_check.check(result(4), cpu_profile(), cores=2)
+    assert all(row["quantity"] != "step_time" for row in four["rows"])  # 4 processes on 2 cores: contention
