@@ -17,12 +17,13 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from repro.hardware import cpu_model
 from repro.model import costs, platforms
+
+if TYPE_CHECKING:  # torch is imported where a measurement needs it: reading a kept profile needs none
+    import torch
 
 SIZES = (16, 32, 64, 128, 256, 512)
 COPY_BYTES = 64 * 2**20
@@ -44,6 +45,8 @@ def best_seconds(work: Callable[[], Any], repeat: int, rounds: int = 3) -> float
 
 def matmul_points() -> list[list[float]]:
     """[flops of one multiply, FLOP/s] for each of SIZES."""
+    import torch
+
     points = []
     for n in SIZES:
         a, b = torch.randn(n, n), torch.randn(n, n)
@@ -53,12 +56,16 @@ def matmul_points() -> list[list[float]]:
 
 
 def memory_bandwidth() -> float:
+    import torch
+
     source, target = torch.empty(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
     return 2 * COPY_BYTES / best_seconds(lambda: target.copy_(source), 4)
 
 
 def tiny_batch(workload: str, recipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """One random sample of `recipe`'s workload: token ids and next tokens, or an image and its class."""
+    import torch
+
     from repro.shapes import shape_of
 
     shape = shape_of(workload, recipe.model, recipe.data.dataset)
@@ -75,6 +82,7 @@ TINY = {"gpt2": ["model.d_model=8", "model.n_head=1", "model.seq_len=4"],
 def dispatch_seconds(workload: str) -> float:
     """Seconds per aten operation of `workload`'s training step (forward, loss, backward, optimizer) at
     a negligible size (TINY): its step's time over the operations it dispatches (TorchDispatchMode)."""
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from repro import registry
@@ -114,6 +122,7 @@ def dispatch_table() -> dict[str, float]:
 
 def collective_worker(rank: int, port: int, queue: Any) -> None:
     """One of 2 gloo processes: per kind, the median time of 4 bytes and of LARGE bytes (rank 0 reports)."""
+    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -168,6 +177,8 @@ def collective_links() -> tuple[dict[str, Any], dict[str, Any]]:
 
 def measure() -> platforms.Platform:
     """This machine's profile, measured now."""
+    import torch
+
     torch.set_num_threads(1)
     points = matmul_points()
     peak = max(rate for _, rate in points)

@@ -84,7 +84,8 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         for path in study_module.write(study, reports):
             click.echo(str(path))
     # this machine's profile for the step-time check: the one kept beside the store, or measured now, once
-    platform = machine_profile(uri, measure=True) if scale == "smoke" else None
+    # (not for --reports-only, which starts no process: without a kept profile, step times go unchecked)
+    platform = machine_profile(uri, measure=not reports_only) if scale == "smoke" else None
     for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings, platform=platform):
         click.echo(str(path))
 
