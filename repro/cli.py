@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from repro import registry
 from repro.cli_base import MODELS, SCALES, OneLineErrors, fail
 from repro.cli_matrix import calibrate, convergence, parity, predict, table2
+
+if TYPE_CHECKING:
+    from repro.recipe import Recipe
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -115,13 +119,30 @@ def run(model: str, framework: str, gpus: int, nodes: int, scale: str, recipe_fi
     if launcher == "local" and outcome.run_id:
         click.echo(f"run {outcome.run_id} finished; files in {outcome.run_dir}", err=True)
         if not dry_run:
-            from repro.report.model_check import check_run
-
-            verdict = check_run(resolved, tracking.tracking_uri(tracking_uri), experiment)
-            if verdict:
-                click.echo(verdict, err=True)
+            check_step_time(resolved, outcome.run_dir, tracking.tracking_uri(tracking_uri), experiment)
     elif launcher == "local" and outcome.status:  # it trained while MLflow did not answer (repro.deferred)
         click.echo(f"run finished, not in MLflow yet (repro sync {outcome.run_dir}); files in {outcome.run_dir}", err=True)
+
+
+def check_step_time(recipe: Recipe, run_dir: Path, uri: str, experiment: str) -> None:
+    """The finished run's step-time check, once MLflow holds all of it: a run left for `repro sync`, or a
+    server gone since, skips it (one line) and keeps its exit status."""
+    from repro import tracking
+    from repro.delivery import State
+    from repro.report.model_check import check_run
+
+    if State.load(run_dir).undelivered is not None:
+        click.echo(f"step-time check skipped: MLflow does not hold the whole run yet (repro sync {run_dir})", err=True)
+        return
+    try:
+        verdict = check_run(recipe, uri, experiment)
+    except Exception as error:
+        if not tracking.server_unanswered(error):
+            raise
+        click.echo(f"step-time check skipped: MLflow did not answer ({type(error).__name__})", err=True)
+        return
+    if verdict:
+        click.echo(verdict, err=True)
 
 
 @main.command(hidden=True, context_settings={"ignore_unknown_options": True})

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import Repro, read_events
 from mlflow_server import POSTGRESQL
+from repro import names
 from repro.adapters.zero_plan import extension_folder
 from repro.delivery import State
 from repro.recipe import resolve
@@ -57,19 +58,28 @@ def spec(run_dir: Path) -> dict:
 
 
 def produced_points(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Metric key -> sorted (step, value) of every point the run's events hold."""
+    """Metric key -> sorted (step, value) of every point the run's events hold, and, once it has ended,
+    its outcome's metrics (the model check, at step 0)."""
     points = collections.defaultdict(list)
     for event in read_events(run_dir):
         for key, value, step in event_metrics(event):
             points[key].append((step, float(value)))
+    outcome = RunFolder(run_dir).read_outcome()
+    for key, value in (outcome.metrics if outcome else {}).items():
+        points[key].append((0, float(value)))
     return {key: sorted(values) for key, values in points.items()}
 
 
 def logged_points(uri: str, run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Metric key -> sorted (step, value) in MLflow, less the step-time check `repro run` logs after
+    delivery (repro.report.model_check.check_run), which holds one point per key when present."""
     mlflow = client(uri)
     run_id = spec(run_dir)["mlflow_run_id"]
     keys = mlflow.get_run(run_id).data.metrics
-    return {key: sorted((m.step, m.value) for m in mlflow.get_metric_history(run_id, key)) for key in keys}
+    points = {key: sorted((m.step, m.value) for m in mlflow.get_metric_history(run_id, key)) for key in keys}
+    for key in (names.STEP_TIME_PREDICTED, names.STEP_TIME_ERROR):
+        assert len(points.pop(key, [None])) == 1, key
+    return points
 
 
 def count(points: dict[str, list]) -> int:
@@ -85,6 +95,7 @@ def assert_exactly_once(uri: str, run_dir: Path, status: str) -> None:
     params = record.run_params(resolve(recorded["recipe"], recorded["recipe"]["source"]))
     start = next(e for e in read_events(run_dir) if e["event"] == "start")
     params.update({f"adapter.{k}": json.dumps(v) for k, v in start["adapter"].items()})
+    params.update({f"{names.EFFECTIVE}{k}": str(v) for k, v in start["effective"].items()})  # as the ranks built it
     assert run.data.params == params
     assert run.data.tags["repro.run_dir"] == str(run_dir)
     assert run.data.tags["mlflow.source.git.commit"] == run.data.tags["repro.git_sha"]
