@@ -31,12 +31,12 @@ class Count(TorchDispatchMode):
 def step_ops(workload: str, sets: list[str] = ()) -> dict[str, int]:
     """Operations of the forward with its loss, the backward and the optimizer step of one training step
     (the second: the first creates the optimizer's state), and the model's parameter tensors."""
-    from repro.calibrate import tiny_batch
+    from repro.calibrate import sample_batch
 
     recipe = load_file(recipe_path(workload, "smoke"), list(sets))
     model = registry.workload_class(workload)(recipe.model, recipe.data, ".").build_model()
     optimizer = make_optimizer(recipe.train.optimizer, model.parameters())
-    inputs, targets = tiny_batch(workload, recipe)
+    inputs, targets = sample_batch(workload, recipe)
     counts = {}
     for _ in range(2):
         phases = [Count() for _ in range(3)]

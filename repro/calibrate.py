@@ -62,56 +62,133 @@ def memory_bandwidth() -> float:
     return 2 * COPY_BYTES / best_seconds(lambda: target.copy_(source), 4)
 
 
-def tiny_batch(workload: str, recipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """One random sample of `recipe`'s workload: token ids and next tokens, or an image and its class."""
+def sample_batch(workload: str, recipe: Any, samples: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`samples` random samples of `recipe`'s workload: token ids and next tokens, or images and classes."""
     import torch
 
     from repro.shapes import shape_of
 
     shape = shape_of(workload, recipe.model, recipe.data.dataset)
     if workload == "gpt2":
-        return torch.randint(0, shape.vocab, (1, shape.seq_len)), torch.randint(0, shape.vocab, (1, shape.seq_len))
-    return torch.randn(1, 3, shape.image_size, shape.image_size), torch.randint(0, shape.classes, (1,))
+        return (torch.randint(0, shape.vocab, (samples, shape.seq_len)),
+                torch.randint(0, shape.vocab, (samples, shape.seq_len)))
+    return torch.randn(samples, 3, shape.image_size, shape.image_size), torch.randint(0, shape.classes, (samples,))
 
 
 # each workload at a size whose FLOPs are negligible, so a step's time is its operations' dispatch
 TINY = {"gpt2": ["model.d_model=8", "model.n_head=1", "model.seq_len=4"],
         "vgg16": ["model.width_div=64", "model.classifier_width=8"]}
+# the sizes a workload's own operations are timed at (WorkloadRates): either side of the smoke recipe's
+# (GPT-2 d_model 64, VGG-16 width_div 8), none of them a size the main job checks the model on
+CALIBRATION = {"gpt2": [["model.d_model=32", "model.n_head=2"], ["model.d_model=128", "model.n_head=8"],
+                        ["model.d_model=256", "model.n_head=8"]],
+               "vgg16": [["model.width_div=16"], ["model.width_div=4"], ["model.width_div=2"]]}
+# aten operations the model times as matrix work (repro.model.time: GPT2_MATMULS, VGG-16's layers)
+MATRIX_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product")
 
 
-def dispatch_seconds(workload: str) -> float:
-    """Seconds per aten operation of `workload`'s training step (forward, loss, backward, optimizer) at
-    a negligible size (TINY): its step's time over the operations it dispatches (TorchDispatchMode)."""
+def training_step(workload: str, sets: list[str], samples: int = 1) -> tuple[Any, Callable[[], None], Callable[[], None]]:
+    """The smoke recipe of `workload` with `sets`, one process, plain PyTorch: (recipe, forward with its
+    loss and backward, the optimizer's step)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from repro import registry
     from repro.optim import make_optimizer
     from repro.recipe import load_file, recipe_path
 
-    recipe = load_file(recipe_path(workload, "smoke"), TINY[workload])
-    built = registry.workload_class(workload)(recipe.model, recipe.data, Path("."))
-    model = built.build_model()
+    recipe = load_file(recipe_path(workload, "smoke"), ["run.framework=ddp", "run.gpus=1", *sets])
+    model = registry.workload_class(workload)(recipe.model, recipe.data, Path(".")).build_model()
     optimizer = make_optimizer(recipe.train.optimizer, model.parameters())
-    inputs, targets = tiny_batch(workload, recipe)
+    inputs, targets = sample_batch(workload, recipe, samples)
 
-    def step() -> None:
+    def passes() -> None:
         output = model(inputs)
         torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1)).backward()
+
+    def update() -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    class Count(TorchDispatchMode):
-        ops = 0
+    return recipe, passes, update
+
+
+def op_timer() -> Any:
+    """A TorchDispatchMode that counts the aten operations run under it and times each one, matrix
+    operations (MATRIX_OPS) apart from the rest."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpTimer(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seconds = {"matrix": 0.0, "other": 0.0}
+            self.ops = {"matrix": 0, "other": 0}
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
+            kind = "matrix" if any(name in func.__name__.split(".")[0] for name in MATRIX_OPS) else "other"
+            start = time.perf_counter()
+            result = func(*args, **(kwargs or {}))
+            self.seconds[kind] += time.perf_counter() - start
+            self.ops[kind] += 1
+            return result
 
-    step()
-    with Count():
-        step()
-    return best_seconds(step, 10) / Count.ops
+    return OpTimer()
+
+
+def timed_phases(passes: Callable[[], None], update: Callable[[], None], rounds: int = 3) -> tuple[Any, Any]:
+    """Op timers of the passes and of the optimizer step: the round of least time of `rounds`, after one
+    untimed (the optimizer's state is created on its first step)."""
+    passes()
+    update()
+    best = None
+    for _ in range(rounds):
+        timers = op_timer(), op_timer()
+        with timers[0]:
+            passes()
+        with timers[1]:
+            update()
+        if best is None or sum(sum(t.seconds.values()) for t in timers) < sum(sum(t.seconds.values()) for t in best):
+            best = timers
+    return best
+
+
+def dispatch_seconds(workload: str) -> float:
+    """Seconds per aten operation of `workload`'s training step (forward, loss, backward, optimizer) at
+    a negligible size (TINY): its step's time over the operations it dispatches."""
+    _, passes, update = training_step(workload, TINY[workload])
+    timers = timed_phases(passes, update, rounds=1)
+    ops = sum(sum(t.ops.values()) for t in timers)
+    return best_seconds(lambda: (passes(), update()), 10) / ops
+
+
+def workload_rates(workload: str) -> platforms.WorkloadRates:
+    """The workload's own operations timed at CALIBRATION's sizes: the matrix rate at each size's mean
+    matrix operation; the bytes the model counts for memory-bound work (2 x activations, 3 x model state)
+    over the seconds the other operations take beyond their cost at TINY's negligible size (which the
+    dispatch term counts), in the passes and in the optimizer step (the median of the sizes)."""
+    from repro.model.flops import step_flops
+    from repro.model.time import OPTIMIZER_TRAFFIC, all_layers, mean_matmul_flops
+
+    tiny = timed_phases(*training_step(workload, TINY[workload])[1:])
+    base = sum(t.seconds["other"] for t in tiny) / sum(t.ops["other"] for t in tiny)
+    matmul, activation, state = [], [], []
+    for sets in CALIBRATION[workload]:
+        recipe, passes, update = training_step(workload, sets, recipe_batch(workload))
+        timers = timed_phases(passes, update)
+        cell = costs.cell_of(recipe)
+        flops, prediction = step_flops(cell), costs.predict(cell)
+        matmul.append([mean_matmul_flops(cell, flops, all_layers(cell), 1), flops.counted / timers[0].seconds["matrix"]])
+        beyond = [max(t.seconds["other"] - t.ops["other"] * base, 1e-9) for t in timers]
+        activation.append(2 * prediction.activations / beyond[0])
+        state.append(OPTIMIZER_TRAFFIC * prediction.model_state / beyond[1])
+    return platforms.WorkloadRates(matmul=matmul, activation_bandwidth=statistics.median(activation),
+                                   state_bandwidth=statistics.median(state))
+
+
+def recipe_batch(workload: str) -> int:
+    """Samples a step of the workload's smoke recipe on one process."""
+    from repro.recipe import load_file, recipe_path
+
+    return load_file(recipe_path(workload, "smoke"), []).train.batch_per_gpu
 
 
 def dispatch_table() -> dict[str, float]:
@@ -188,7 +265,7 @@ def measure() -> platforms.Platform:
         name=f"this machine ({device})", device=device, ranks_per_node=os.cpu_count() or 1, backend="gloo",
         matmul=platforms.Matmul(peak={"fp32": peak}, efficiency=[[flops, rate / peak] for flops, rate in points]),
         memory=platforms.Memory(bandwidth=memory_bandwidth()),
-        dispatch_s=dispatch_table(),
+        dispatch_s=dispatch_table(), workloads={name: workload_rates(name) for name in TINY},
         dispatch_overlaps=False, comm_overlaps=False, collectives={"intra": links},
         sources=["measured by `repro calibrate` (repro/calibrate.py), one thread a process"],
         measured={"matmul": points, "collectives_s": {kind: list(t) for kind, t in timings.items()},
@@ -222,9 +299,25 @@ def calibrated(folder: Path, again: bool = False, shared: bool = False) -> platf
     `shared_folder()`), otherwise measured now and kept there (and, with `shared`, in the shared folder)."""
     path, copy = profile_path(folder), profile_path(shared_folder())
     for kept in (path, copy) if shared else (path,):
-        if kept.is_file() and not again:
-            return platforms.load(kept)
-    profile = measure()
-    for target in (path, copy) if shared else (path,):
-        platforms.dump(profile, target)
+        if kept.is_file() and not again and set(TINY) <= set(platforms.load(kept).workloads):
+            return platforms.load(kept)  # a profile from before WorkloadRates is measured anew
+    measure_apart(path)
+    if shared:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text())
     return platforms.load(path)
+
+
+def measure_apart(path: Path) -> None:
+    """Measure this machine in a process of its own and keep its profile at `path`: the caller (a run's
+    parent, the matrix's) imports no torch (tests/test_parent_imports.py)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "repro.calibrate", str(path)], check=True)
+
+
+if __name__ == "__main__":  # measure_apart's process
+    import sys
+
+    platforms.dump(measure(), Path(sys.argv[1]))

@@ -39,6 +39,10 @@ def cpu_profile(**changes: object) -> platforms.Platform:
     return dataclasses.replace(profile, **changes)
 
 
+# a workload's own rates as `repro calibrate` keeps them (made up: round figures)
+RATES = platforms.WorkloadRates(matmul=[[1e6, 2e10], [1e8, 6e10]], activation_bandwidth=4e9, state_bandwidth=1e10)
+
+
 @pytest.mark.parametrize("name,per_node", [("lassen", 4), ("thetagpu", 8)])
 def test_shipped_profiles_load_as_assumptions_with_sources(name, per_node):
     profile = platforms.load(name)
@@ -53,6 +57,10 @@ def test_shipped_profiles_load_as_assumptions_with_sources(name, per_node):
     (lambda raw: raw["matmul"]["peak"].update(fp32="15.7e12"), "matmul.peak"),  # YAML reads 15.7e12 as a string
     (lambda raw: raw.update(ranks_per_node=0), "ranks_per_node"),
     (lambda raw: raw.pop("dispatch_s"), "dispatch_s"),
+    (lambda raw: raw.update(workloads={"gpt2": {"matmul": [[1e6]], "activation_bandwidth": 1, "state_bandwidth": 1}}),
+     "workloads.gpt2.matmul"),
+    (lambda raw: raw.update(workloads={"gpt2": {"matmul": [[1e6, 1e9]], "activation_bandwidth": 0, "state_bandwidth": 1}}),
+     "workloads.gpt2.activation_bandwidth"),
 ])
 def test_a_bad_profile_fails_in_one_line_naming_file_and_field(tmp_path, edit, field):
     raw = yaml.safe_load((REPO / "configs/platforms/lassen.yaml").read_text())
@@ -67,14 +75,25 @@ def test_a_bad_profile_fails_in_one_line_naming_file_and_field(tmp_path, edit, f
 def test_a_kept_profile_is_read_back_as_written_and_reused(tmp_path, monkeypatch):
     from repro import calibrate
 
+    measured = cpu_profile(workloads={"gpt2": RATES, "vgg16": RATES})
     kept = calibrate.profile_path(tmp_path)
-    platforms.dump(cpu_profile(), kept)
-    monkeypatch.setattr(calibrate, "measure", lambda: pytest.fail("a kept profile is measured again"))
-    assert dataclasses.replace(calibrate.calibrated(tmp_path), path="") == cpu_profile()
+    platforms.dump(measured, kept)
+    monkeypatch.setattr(calibrate, "measure_apart", lambda path: pytest.fail("a kept profile is measured again"))
+    assert dataclasses.replace(calibrate.calibrated(tmp_path), path="") == measured
     assert calibrate.store_folder(f"sqlite:///{tmp_path}/mlflow.db") == tmp_path
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # a run's store elsewhere reuses the shared copy
-    platforms.dump(cpu_profile(), calibrate.profile_path(calibrate.shared_folder()))
-    assert dataclasses.replace(calibrate.calibrated(tmp_path / "store", shared=True), path="") == cpu_profile()
+    platforms.dump(measured, calibrate.profile_path(calibrate.shared_folder()))
+    assert dataclasses.replace(calibrate.calibrated(tmp_path / "store", shared=True), path="") == measured
+
+
+def test_a_kept_profile_without_the_workloads_own_rates_is_measured_anew(tmp_path, monkeypatch):
+    from repro import calibrate
+
+    platforms.dump(cpu_profile(), calibrate.profile_path(tmp_path))  # as kits before WorkloadRates kept it
+    measured = cpu_profile(workloads={"gpt2": RATES, "vgg16": RATES})
+    monkeypatch.setattr(calibrate, "measure_apart", lambda path: platforms.dump(measured, path))
+    assert dataclasses.replace(calibrate.calibrated(tmp_path), path="") == measured
+    assert platforms.load(calibrate.profile_path(tmp_path)).workloads == {"gpt2": RATES, "vgg16": RATES}
 
 
 def test_matmul_rate_is_the_share_of_the_largest_threshold_at_or_below_the_size():
@@ -131,6 +150,39 @@ def test_compute_is_flops_at_the_rate_plus_memory_plus_dispatch_on_a_cpu():
     assert time.step_time(cell, cpu).total_s == pytest.approx(expected)
     gpu_like = dataclasses.replace(cpu, dispatch_overlaps=True)
     assert time.step_time(cell, gpu_like).total_s == pytest.approx(max(expected - ops * 1e-5, ops * 1e-5))
+
+
+@pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
+def test_calibrate_times_a_workloads_own_operations_on_either_side_of_the_smoke_size(workload):
+    """The sizes are the model's mean matrix operation of each calibration shape (so the model reads the
+    rate at the size it computes); the smoke recipe's, which the main job checks, lies between, unmeasured."""
+    from repro import calibrate
+    from repro.recipe import load_file, recipe_path
+
+    def mean_size(sets: list[str]) -> float:
+        cell = costs.cell_of(load_file(recipe_path(workload, "smoke"), sets))
+        return time.mean_matmul_flops(cell, step_flops(cell), time.all_layers(cell), 1)
+
+    rates = calibrate.workload_rates(workload)
+    sizes = [mean_size(sets) for sets in calibrate.CALIBRATION[workload]]
+    assert [size for size, _ in rates.matmul] == sizes and sizes[0] < mean_size([]) < sizes[1]
+    assert all(rate > 0 for _, rate in rates.matmul) and rates.activation_bandwidth > 0 and rates.state_bandwidth > 0
+
+
+def test_a_workloads_own_rates_stand_in_for_the_generic_ones_in_fp32():
+    cell = recipe_cell("gpt2", "ddp", 1, "smoke")
+    flops, prediction = step_flops(cell), costs.predict(cell)
+    size = flops.forward / (4 * 6 + 1)
+    assert 1e6 < size < 1e8  # between RATES' two sizes: the rate is log-linear between them
+    rate = 2e10 + math.log(size / 1e6) / math.log(100) * 4e10
+    ops = (4 + 4 * 32 + 10) + (7 + 4 * 68 + 16) + 21 * 52 + 11
+    expected = ((flops.forward + flops.backward) / rate + 2 * prediction.activations / 4e9
+                + 3 * prediction.model_state / 1e10 + ops * 1e-5)
+    measured = cpu_profile(workloads={"gpt2": RATES})
+    assert time.step_time(cell, measured).total_s == pytest.approx(expected)
+    assert RATES.matmul_rate(1) == 2e10 and RATES.matmul_rate(1e12) == 6e10  # the nearest size outside them
+    bf16 = dataclasses.replace(cell, precision="bf16")  # timed in fp32 only: the generic figures
+    assert time.step_time(bf16, measured) == time.step_time(bf16, cpu_profile())
 
 
 def test_a_pipelines_bubble_is_its_fill_and_drain_in_micro_batch_slots():

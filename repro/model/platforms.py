@@ -4,13 +4,15 @@ paper's Lassen and ThetaGPU, marked assumptions) or measured here by `repro cali
 
 A profile holds the matrix-multiply rate per precision with the share of it reached by operations of a
 given size (Calculon's efficiency table: it falls for small operations), the bandwidth of memory-bound
-operations, the host's cost of dispatching one operation, ranks per node, and per scope (intra-node,
+operations, the host's cost of dispatching one operation, ranks per node, a measured profile's own
+rates of each workload's operations (WorkloadRates), and per scope (intra-node,
 inter-node) and kind of collective a latency and a bandwidth on the wire (docs/time.md). Errors name the
 file and the field, in one line (repro.schema). No torch.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -62,6 +64,29 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class WorkloadRates:
+    """A workload's own operations as `repro calibrate` timed them in its fp32 training step on this
+    machine, at sizes other than the ones the check holds it to (docs/time.md, "This machine"): the
+    matrix rate by the step's mean matrix operation, and the seconds its memory-bound operations take per
+    byte the model counts for them. Where a profile has them, they stand in for the square multiplies'
+    rate and the copy's bandwidth."""
+
+    matmul: list[list[float]]  # [[FLOPs of the mean matrix operation, FLOP/s], ...], interpolated in log size
+    activation_bandwidth: Annotated[float, POSITIVE]  # 2 x saved activations (bytes) over the passes' elementwise seconds
+    state_bandwidth: Annotated[float, POSITIVE]  # 3 x model state (bytes) over the optimizer step's seconds
+
+    def matmul_rate(self, flops_per_op: float) -> float:
+        """FLOP/s at `flops_per_op`: log-linear between the measured sizes, the nearest outside them."""
+        points = sorted(self.matmul)
+        size = min(max(flops_per_op, points[0][0]), points[-1][0])
+        for (low, low_rate), (high, high_rate) in zip(points, points[1:]):
+            if low <= size <= high:
+                share = math.log(size / low) / math.log(high / low) if high > low else 0.0
+                return low_rate + share * (high_rate - low_rate)
+        return points[0][1]
+
+
+@dataclass(frozen=True)
 class Platform:
     name: str
     device: str  # what the ranks run on: a GPU's name, or the CPU model (`repro calibrate` reuses a profile by it)
@@ -76,11 +101,16 @@ class Platform:
     assumption: bool = False  # published figures with a stated efficiency, not measured on the platform
     sources: list[str] = field(default_factory=list)
     measured: dict[str, Any] = field(default_factory=dict)  # `repro calibrate`'s raw points, kept for the record
+    workloads: dict[str, Any] = field(default_factory=dict)  # workload -> WorkloadRates (measured profiles only)
     path: str = ""
 
     def dispatch(self, workload: str) -> float:
         """Seconds per dispatched operation of `workload`'s step (the default where it is not measured)."""
         return self.dispatch_s.get(workload, self.dispatch_s[DEFAULT_KIND])
+
+    def rates(self, workload: str, precision: str) -> WorkloadRates | None:
+        """The workload's own measured rates, for the precision they were measured in (fp32), else None."""
+        return self.workloads.get(workload) if precision == "fp32" else None
 
     def link(self, scope: str, kind: str) -> Link:
         """The figures of collective `kind` in `scope` (the scope's default where the kind is not listed;
@@ -133,7 +163,12 @@ def parse(raw: Any, source: str) -> Platform:
     for index, point in enumerate(platform.matmul.efficiency):
         if len(point) != 2 or not 0 < point[1] <= 1 or point[0] < 0:
             raise RecipeError(source, f"matmul.efficiency[{index}]", f"expected [flops >= 0, share in (0, 1]], got {point!r}")
-    return dataclasses.replace(platform, collectives=collectives, path=source)
+    workloads = {name: build(WorkloadRates, figures, source, f"workloads.{name}")
+                 for name, figures in platform.workloads.items()}
+    for name, rates in workloads.items():
+        if not rates.matmul or any(len(point) != 2 or min(point) <= 0 for point in rates.matmul):
+            raise RecipeError(source, f"workloads.{name}.matmul", f"expected [[flops > 0, FLOP/s > 0], ...], got {rates.matmul!r}")
+    return dataclasses.replace(platform, collectives=collectives, workloads=workloads, path=source)
 
 
 def dump(platform: Platform, path: Path) -> None:

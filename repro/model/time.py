@@ -69,17 +69,28 @@ def all_layers(cell: Cell) -> range:
     return range(len(cell.shape.layer_tensors()))
 
 
+def mean_matmul_flops(cell: Cell, flops: StepFlops, layers: list[int] | range, passes: int) -> float:
+    """FLOPs of the step's mean matrix operation: forward FLOPs over the forward's matrix operations."""
+    return flops.forward / max(1, passes * layer_ops(cell.shape, layers)[2])
+
+
 def compute_seconds(cell: Cell, platform: Platform, flops: StepFlops, layers: list[int] | range, passes: int) -> float:
     """The compute of a rank running `layers`, `passes` forward-backward passes a step (docs/time.md,
     "Compute"): matrix FLOPs at the rate of the step's mean operation, memory-bound bytes (activations
-    written in forward and read in backward; the model state once through the optimizer), dispatch."""
-    forward, backward, matmuls = layer_ops(cell.shape, layers)
+    written in forward and read in backward; the model state once through the optimizer), dispatch. A
+    measured profile's own rates of the workload (WorkloadRates) stand in for its generic ones."""
+    forward, backward, _ = layer_ops(cell.shape, layers)
     recomputed = flops.recompute / flops.forward if flops.forward else 0.0
-    size = flops.forward / max(1, passes * matmuls)
-    matrix = (flops.forward + flops.backward + flops.recompute) / platform.matmul.rate(cell.precision, size)
+    size = mean_matmul_flops(cell, flops, layers, passes)
     prediction = costs.predict(cell)
-    moved = 2 * (prediction.activations or 0) + OPTIMIZER_TRAFFIC * prediction.model_state
-    memory = moved / (platform.memory.bandwidth * platform.memory.efficiency)
+    activations, state = 2 * (prediction.activations or 0), OPTIMIZER_TRAFFIC * prediction.model_state
+    rates = platform.rates(workload_of(cell), cell.precision)
+    if rates:
+        matrix = flops.counted / rates.matmul_rate(size)
+        memory = activations / rates.activation_bandwidth + state / rates.state_bandwidth
+    else:
+        matrix = flops.counted / platform.matmul.rate(cell.precision, size)
+        memory = (activations + state) / (platform.memory.bandwidth * platform.memory.efficiency)
     per_tensor, fixed = OPTIMIZER_OPS[cell.optimizer]
     tensors = tensor_count(cell.shape) * len(layers) / len(all_layers(cell))
     ops = passes * (forward * (1 + recomputed) + backward) + per_tensor * tensors + fixed
