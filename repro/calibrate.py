@@ -6,6 +6,9 @@ the CPU stand-ins train (repro.loop):
 - a copy of 64 MiB: the bandwidth of memory-bound operations (bytes read and written);
 - the host's cost of one dispatched operation, per workload: its training step at a size whose FLOPs
   are negligible (TINY), timed, over the aten operations the step dispatches (TorchDispatchMode);
+- per workload, its own operations in its fp32 step at sizes either side of the smoke recipe's, each
+  timed on its own: the matrix rate at the step's mean matrix operation, and the bandwidth its other
+  operations reach over the bytes the model counts for them (WorkloadRates);
 - per collective kind, 2 gloo processes: the time of 4 bytes (latency) and of 4 MiB (bandwidth on the
   wire, repro.model.costs.wire_bytes).
 

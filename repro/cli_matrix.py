@@ -326,8 +326,9 @@ def calibrate(tracking_uri: str | None, again: bool) -> None:
 
     \b
     Matrix-multiply rate by size, memory bandwidth, the host's cost per dispatched operation of each
-    workload, and each collective's latency and bandwidth between 2 gloo processes (repro/calibrate.py),
-    one thread a process as the CPU stand-ins train; under a minute. Kept beside the MLflow store,
+    workload, each workload's own operations timed at sizes other than the smoke recipe's, and each
+    collective's latency and bandwidth between 2 gloo processes (repro/calibrate.py), one thread a
+    process as the CPU stand-ins train; under a minute. Kept beside the MLflow store,
     one file per CPU model, and reused; `repro predict --platform FILE` reads it.
 
     \b
