@@ -97,14 +97,30 @@ class Limits:
 
 
 def kill_tree(pid: int) -> None:
-    """The process and everything under it (repro run starts torchrun in a session of its own)."""
+    """The process and everything under it (repro run starts torchrun in a session of its own), waited
+    for until each is gone or a zombie (SIGKILL lands when the kernel next runs the process: on a busy
+    machine, after this returns unless waited for), at most KILL_WAIT_S."""
     import psutil
 
     with contextlib.suppress(psutil.NoSuchProcess):
         root = psutil.Process(pid)
-        for process in [root, *root.children(recursive=True)]:
+        tree = [root, *root.children(recursive=True)]
+        for process in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+        deadline = time.monotonic() + KILL_WAIT_S
+        while any(map(running, tree)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def running(process: Any) -> bool:
+    """Whether a psutil process still runs: not gone, not a zombie."""
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def run_cell(command: list[str], cwd: Path, timeout: float | None) -> tuple[int | None, str, str]:
