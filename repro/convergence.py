@@ -9,7 +9,8 @@ seeds. A seed fixes the initial weights and the data order, so control and treat
 only by the treatment: each comparison is a paired one (repro.report.statistics).
 
 - Staleness: PipeDream with 2 stages against a synchronous 1F1B pipeline with the same 2 stages and against
-  one process, at two learning rates (staleness costs more at a higher rate). PipeDream's adapter always
+  one process, at two learning rates (staleness costs more at a higher rate); with 4 stages (the first
+  stage 3 updates stale) against 1F1B with the same 4, at the higher rate. PipeDream's adapter always
   stashes weights (repro/adapters/pipedream.py): a run without stashing cannot be made here.
 - Data-parallel identity: ZeRO-1/2/3 and FSDP against DDP at 2 processes, by an equivalence test whose
   margin is the seed spread or the rounding control (DDP at 2 against one process), whichever is larger. A
@@ -74,6 +75,9 @@ ARMS = {a.name: a for a in (
     *(arm(f"pipedream-2, {lr_tag(lr)}", "pipedream", 2, lr) for lr in (LOW_LR, HIGH_LR)),
     *(arm(f"1f1b-2, {lr_tag(lr)}", "torch-pipeline", 2, lr, ("torch_pipeline.schedule=1f1b",))
       for lr in (LOW_LR, HIGH_LR)),
+    # 4 stages, each a layer of the reduced model, at the higher rate only (4 processes on 2 cores: the budget)
+    arm(f"pipedream-4, {lr_tag(HIGH_LR)}", "pipedream", 4, HIGH_LR),
+    arm(f"1f1b-4, {lr_tag(HIGH_LR)}", "torch-pipeline", 4, HIGH_LR, ("torch_pipeline.schedule=1f1b",)),
     arm("ddp-2", "ddp", 2),
     *(arm(f"zero-{stage}", "zero", 2, settings=(f"zero.stage={stage}",)) for stage in (1, 2, 3)),
     arm("fsdp-2", "fsdp", 2),
@@ -104,6 +108,8 @@ COMPARISONS = (
       for lr in (LOW_LR, HIGH_LR)),
     *(Comparison(STALENESS, f"1f1b-2, {lr_tag(lr)}", f"one process, {lr_tag(lr)}", EQUIVALENCE)
       for lr in (LOW_LR, HIGH_LR)),
+    Comparison(STALENESS, f"pipedream-4, {lr_tag(HIGH_LR)}", f"1f1b-4, {lr_tag(HIGH_LR)}", EFFECT, AGAINST_SYNC),
+    Comparison(STALENESS, f"1f1b-4, {lr_tag(HIGH_LR)}", f"one process, {lr_tag(HIGH_LR)}", EQUIVALENCE),
     ROUNDING_CONTROL,
     NEGATIVE_CONTROL,
     *(Comparison(IDENTITY, name, "ddp-2", EQUIVALENCE) for name in ("zero-1", "zero-2", "zero-3", "fsdp-2")),
@@ -328,10 +334,10 @@ LIMITS = (
     "PipeDream's adapter always stashes weights (repro/adapters/pipedream.py): 'without stashing' is not an arm, "
     "so 'stashing does not cure staleness' is judged as: PipeDream, with stashing, is still slower than the "
     "synchronous pipeline.",
-    "Two stages only: stage s runs S-1-s updates behind, so 2 stages make the first stage one update stale. "
-    "Deeper pipelines (the paper's up to 64 GPUs), larger models and longer training, where staleness may bite "
-    "harder or wash out, are not measured; nor are data-parallel frameworks beyond 2 processes (4 processes on "
-    "2 cores would blow the main job's budget).",
+    "2 and 4 stages only: stage s runs S-1-s updates behind, so the first stage is 1 or 3 updates stale (4 stages "
+    "at the higher rate alone). Deeper pipelines (the paper's up to 64 GPUs), larger models and longer training, "
+    "where staleness may bite harder or wash out, are not measured; nor are data-parallel frameworks beyond 2 "
+    "processes (more 4-process arms on 2 cores would blow the main job's budget).",
     "LBANN is no arm of the data-parallel identity: its reader orders the data its own way and its Adam is not "
     "PyTorch's (docs/lbann.md), so it cannot train at equal settings with the others.",
     "A reduced GPT-2 (2 blocks, 64 wide) on bytes of WikiText-2: equivalence at this size is evidence about the "

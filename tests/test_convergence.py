@@ -104,7 +104,7 @@ ALL_SAME = {name: SAME for name in ARMS}
 def test_findings_rest_on_the_study_with_effects_and_intervals():
     stale = [1.3, 1.32, 1.28]  # PipeDream 30% worse perplexity: its curve reaches 20 much later, or never
     study = study_of({**ALL_SAME, "one process, lr 0.003": [0.8, 0.78, 0.76],
-                      "pipedream-2, lr 0.001": stale, "pipedream-2, lr 0.003": stale,
+                      "pipedream-2, lr 0.001": stale, "pipedream-2, lr 0.003": stale, "pipedream-4, lr 0.003": stale,
                       "megatron-intra-2, batch 16": [1.1, 1.12, 1.08]})
     verdicts = judged(study)
     assert verdicts["data_parallel_curves"].verdict == HOLDS

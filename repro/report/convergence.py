@@ -201,7 +201,7 @@ def study_pipedream_slower(res: Results, t: dict[str, Any]) -> tuple[str, list[s
              *(f"{effect_text(o)}; markedly slower: {v}" for o, v in per_rate),
              *(effect_text(o) for o in found if o not in against_sync)]
     if len(verdicts) > 1:
-        notes.append(f"the learning rates disagree ({', '.join(v for _, v in per_rate)}): inconclusive")
+        notes.append(f"the rates and stage counts disagree ({', '.join(v for _, v in per_rate)}): inconclusive")
     notes.append("PipeDream here always stashes weights (repro/adapters/pipedream.py): its staleness is measured "
                  "with stashing, so a slowdown is one that stashing does not cure; a run without stashing is not "
                  "possible with this adapter")
