@@ -63,8 +63,13 @@ def rows(gpus: int) -> list[Row]:
             *(Row(f"megatron tp={tp}", "megatron", tp, (f"megatron.tp={tp}",)) for tp in (4, 8))]
 
 
+# The recipe's train.precision auto as it trains on ThetaGPU's A100: bf16 under autocast, fp32 weights (on the
+# V100 ZeRO trains in DeepSpeed's fp16 mode, 16-bit weights with an fp32 master partition, as the peers assume)
+PEER_GPU = "A100"
+
+
 def kit(row: Row) -> tuple[costs.Cell, costs.Prediction]:
-    cell = recipe_cell("gpt2", row.framework, row.gpus, "paper", row.sets)
+    cell = recipe_cell("gpt2", row.framework, row.gpus, "paper", row.sets, gpu=PEER_GPU)
     return cell, costs.predict(cell)
 
 

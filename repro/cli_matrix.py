@@ -272,7 +272,7 @@ def print_fits(workloads: tuple[str, ...], scale: str, name: str, size: float) -
         click.echo(f"{workload}, {scale} scale, fitted to {label}: peak per GPU, GiB, as written and under the least "
                    "recompute, then the largest micro-batch, that fits")
         click.echo(f"  {'row':<16}{'gpus':>5}{'written':>9}{'fitted':>9}  setting")
-        fits = matrix_fits(workload, size * 2**30, scale)
+        fits = matrix_fits(workload, size * 2**30, scale, name)
         for entry in fits:
             fit = entry["fit"]
             peak = "-" if fit.peak is None else f"{fit.peak / 2**30:.2f}"

@@ -52,7 +52,7 @@ def test_gpt2_is_not_applicable() -> None:
 
 
 @pytest.mark.parametrize("overrides, field, message", [
-    ([], "train.precision", "fp32 only, got bf16"),
+    (["train.precision=bf16"], "train.precision", "fp32 only, got bf16"),  # the recipe's lbann entry says fp32
     (["train.precision=fp32", "train.max_steps=5"], "train.max_steps", "whole epochs"),
     (["train.precision=fp32", "model.image_size=256"], "model.pool_size",
      "image_size 256 / 2**5 = 8 != pool_size 7"),

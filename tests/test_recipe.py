@@ -37,12 +37,14 @@ def test_paper_hyperparameters_match_table_3() -> None:
 
 def test_a_frameworks_own_train_settings_apply_to_its_runs_alone_below_the_command_line(tmp_path: Path) -> None:
     """configs/gpt2-paper.yaml's train_by_framework: DDP and ZeRO recompute every block at micro-batches of 8
-    (DeepSpeed's GPT-2 345M example), PipeDream only trains in fp32, as in the paper; a --set of the same field
-    wins; a framework the kit does not know is named with its file and field."""
+    (DeepSpeed's GPT-2 345M example) in the device's own 16-bit precision (auto: fp16 on a V100), PipeDream
+    and torch-pipeline in fp32; a --set of the same field wins; a framework the kit does not know is named with its file and field."""
     path = recipe_path("gpt2", "paper")
-    settings = {fw: (r.train.recompute, r.train.micro_batch, r.train.precision) for fw in ("ddp", "zero", "pipedream")
+    settings = {fw: (r.train.recompute, r.train.micro_batch, r.train.precision) 
+                for fw in ("ddp", "zero", "pipedream", "torch-pipeline")
                 for r in [load_file(path, [f"run.framework={fw}"])]}
-    assert settings == {"ddp": ("full", 8, "bf16"), "zero": ("full", 8, "bf16"), "pipedream": (None, None, "fp32")}
+    assert settings == {"ddp": ("full", 8, "auto"), "zero": ("full", 8, "auto"), "pipedream": (None, None, "fp32"),
+                        "torch-pipeline": (None, None, "fp32")}
     ddp = load_file(path, ["run.framework=ddp", "train.micro_batch=4"])
     assert (ddp.train.recompute, ddp.train.micro_batch) == ("full", 4)
     assert "train_by_framework" not in ddp.to_dict()  # folded into train: the fingerprint sees the effective fields

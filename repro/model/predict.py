@@ -20,14 +20,17 @@ from repro.recipe import fold_framework_train, recipe_path
 from repro.shapes import shape_of
 
 
-# A recipe's `train.precision: auto` is predicted as it trains on the paper's V100 (Lassen's, the smaller of its
-# GPUs): fp16, whose 2-byte activations are bf16's too, and under ZeRO DeepSpeed's fp16 mode (costs.zero)
+# A recipe's `train.precision: auto` is predicted as it trains on the GPU named (repro.hardware.automatic_precision
+# by its capability), by default the paper's V100 (Lassen's, the smaller of its GPUs): fp16, whose 2-byte
+# activations are bf16's too, and under ZeRO DeepSpeed's fp16 mode (costs.zero)
 PREDICTED_GPU = "V100"
 
 
-def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = ()) -> costs.Cell:
+def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", sets: Sequence[str] = (),
+                gpu: str = PREDICTED_GPU) -> costs.Cell:
     """The model's cell of a recipe file with `sets` ("section.field=value", YAML values) applied, and the
-    file's train fields for `framework` (its train_by_framework entry) where `sets` leaves them."""
+    file's train fields for `framework` (its train_by_framework entry) where `sets` leaves them; `gpu`: the
+    device it trains on, which decides `train.precision: auto`."""
     path = recipe_path(workload, scale)
     raw = yaml.safe_load(path.read_text())
     kept = []
@@ -46,7 +49,7 @@ def recipe_cell(workload: str, framework: str, gpus: int, scale: str = "paper", 
     recomputed = costs.Cell.recomputed_blocks(shape, train.get("recompute"), train.get("recompute_layers"))
     precision = train.get("precision", "fp32")
     if precision == "auto":
-        precision = automatic_precision("cuda", capability_of(PREDICTED_GPU))
+        precision = automatic_precision("cuda", capability_of(gpu))
     return costs.Cell(shape, framework, gpus, train["batch_per_gpu"], optimizer["name"], precision,
                           options, micro_batch=train.get("micro_batch"), recomputed=recomputed,
                           selective=train.get("recompute") == "selective")
@@ -60,16 +63,16 @@ def predict(workload: str, framework: str, gpus: int, scale: str = "paper", sets
         return None
 
 
-def matrix_predictions(workload: str, scale: str = "paper") -> list[dict[str, Any]]:
-    """One row per modelled Table 2 cell of `workload` at `scale`: row name, framework, GPUs, the model's
-    cell and its prediction."""
+def matrix_predictions(workload: str, scale: str = "paper", gpu: str = PREDICTED_GPU) -> list[dict[str, Any]]:
+    """One row per modelled Table 2 cell of `workload` at `scale` on `gpu`: row name, framework, GPUs, the
+    model's cell and its prediction."""
     from repro.matrix import load_matrix
 
     matrix = load_matrix()
     out = []
     for row in matrix.rows:
         for gpus in matrix.scales[scale].gpus:
-            cell = row_cell(workload, row.name, gpus, scale, matrix)
+            cell = row_cell(workload, row.name, gpus, scale, matrix, gpu)
             prediction = predict_row(workload, row.name, gpus, scale, matrix, cell)
             if prediction is not None:
                 out.append({"row": row.name, "framework": row.framework, "gpus": gpus, "cell": cell,
@@ -77,8 +80,10 @@ def matrix_predictions(workload: str, scale: str = "paper") -> list[dict[str, An
     return out
 
 
-def row_cell(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None) -> costs.Cell | None:
-    """The model's cell of a Table 2 row at `gpus` (None: no such row); `matrix`: table2.yaml, loaded if not given."""
+def row_cell(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None,
+             gpu: str = PREDICTED_GPU) -> costs.Cell | None:
+    """The model's cell of a Table 2 row at `gpus` on `gpu` (None: no such row); `matrix`: table2.yaml,
+    loaded if not given."""
     from repro.matrix import load_matrix
 
     matrix = matrix or load_matrix()
@@ -86,7 +91,7 @@ def row_cell(workload: str, row_name: str, gpus: int, scale: str = "paper", matr
     row = {row.name: row for row in matrix.rows}.get(row_name)
     if row is None:
         return None
-    return recipe_cell(workload, row.framework, gpus, scale, row.overrides(gpus, plan.tp_per_node or plan.gpus_per_node))
+    return recipe_cell(workload, row.framework, gpus, scale, row.overrides(gpus, plan.tp_per_node or plan.gpus_per_node), gpu)
 
 
 def predict_row(workload: str, row_name: str, gpus: int, scale: str = "paper", matrix: Any = None,
@@ -198,9 +203,9 @@ def overrides(start: costs.Cell, chosen: costs.Cell) -> tuple[str, ...]:
     return tuple(sets)
 
 
-def matrix_fits(workload: str, capacity: float, scale: str = "paper") -> list[dict[str, Any]]:
-    """`fit` for every modelled Table 2 cell of `workload` at `scale`: matrix_predictions' rows and the Fit."""
-    return [{**entry, "fit": fit(entry["cell"], capacity)} for entry in matrix_predictions(workload, scale)]
+def matrix_fits(workload: str, capacity: float, scale: str = "paper", gpu: str = PREDICTED_GPU) -> list[dict[str, Any]]:
+    """`fit` for every modelled Table 2 cell of `workload` at `scale` on `gpu`: matrix_predictions' rows and the Fit."""
+    return [{**entry, "fit": fit(entry["cell"], capacity)} for entry in matrix_predictions(workload, scale, gpu)]
 
 
 def paper_devices(workload: str, scale: str = "paper") -> list[dict[str, Any]]:
@@ -290,7 +295,7 @@ def matrix_times(workload: str, platform: Any, scale: str = "paper") -> list[dic
     from repro.model import time
 
     dataset, out = recipe_dataset(workload, scale), []
-    for entry in matrix_predictions(workload, scale):
+    for entry in matrix_predictions(workload, scale, platform.device):
         step = time.step_time(entry["cell"], platform)
         steps = time.epoch_steps(entry["cell"], dataset)
         out.append({**entry, "step": step, "epoch_steps": steps, "epoch_s": None if steps is None else steps * step.total_s})
@@ -301,7 +306,7 @@ def epoch_seconds(workload: str, row_name: str, gpus: int, platform: Any, scale:
     """A Table 2 row's predicted epoch time on `platform` (None: not modelled, or the dataset's size unknown)."""
     from repro.model import time
 
-    cell = row_cell(workload, row_name, gpus, scale)
+    cell = row_cell(workload, row_name, gpus, scale, gpu=platform.device)
     if cell is None or predict_row(workload, row_name, gpus, scale, cell=cell) is None:
         return None
     steps = time.epoch_steps(cell, recipe_dataset(workload, scale))
@@ -313,7 +318,7 @@ def fastest_split(workload: str, gpus: int, platform: Any, scale: str = "paper")
     (dp = gpus / tp), fastest first: which tensor x data split the model puts first on `platform`."""
     from repro.model import time
 
-    cell = recipe_cell(workload, "megatron", gpus, scale)
+    cell = recipe_cell(workload, "megatron", gpus, scale, gpu=platform.device)
     splits = [tp for tp in range(1, gpus + 1) if gpus % tp == 0 and cell.shape.n_head % tp == 0]
     timed = [(tp, time.step_time(dataclasses.replace(cell, options={**cell.options, "tp": tp}), platform).total_s)
              for tp in splits]
