@@ -140,6 +140,11 @@ class GPT2Shape:
         """The layer ranges (start, stop) that full recompute checkpoints: each transformer block."""
         return [(index, index + 1) for index in range(1, self.n_layer + 1)]
 
+    def shard_units(self) -> int:
+        """Units FSDP2 gathers one after another (repro.workloads Workload.blocks): each transformer block,
+        and the root with the embeddings, final norm and tied head."""
+        return self.n_layer + 1
+
     def batch_views(self, batch: int, autocast: bool = False) -> tuple[int, int]:
         """Bytes of what the first layer saves of the input batch (token ids) and the last of the targets:
         a micro-batch cut from a batch is a view, and saving it keeps the whole batch's storage (integers:
@@ -220,6 +225,11 @@ class VGG16Shape:
         its linear layers save little beside their weights)."""
         ends = [index + 1 for index, (kind, _, _) in enumerate(self.layers()) if kind == "pool"]
         return list(zip([0, *ends[:-1]], ends))
+
+    def shard_units(self) -> int:
+        """Units FSDP2 gathers one after another (repro.workloads.vgg16 `blocks`): each convolution stage,
+        then each linear layer; the root keeps no parameter, so it gathers nothing."""
+        return len(self.blocks()) + sum(1 for kind, _, _ in self.layers() if kind == "linear")
 
     @staticmethod
     def block_output_width(element: int, autocast: bool) -> int:

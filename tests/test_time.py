@@ -139,6 +139,21 @@ def test_ddp_hides_its_all_reduce_behind_backward_but_the_last_bucket_where_the_
     assert overlapping.exposed_s == pytest.approx(time.collective_seconds(cpu, "all_reduce", bucket, 2))
 
 
+def test_fsdp_pays_a_latency_for_every_collective_it_issues_as_counted():
+    """FSDP2 at 2 processes issues, as the kit's counter counted (docs/measurement.md, "Where an FSDP2 step's
+    time goes"): GPT-2 smoke 10 all-gathers (5 units, twice) and 214 all-reduces (5 units' gradients and
+    Lamb's 209 norm reductions), VGG-16 smoke 16 and 8 (8 units, Adam: no sharded norm); each costs the
+    profile's latency, and what a step hands is the cost model's bytes."""
+    gpt2, vgg16 = (recipe_cell(workload, "fsdp", 2, "smoke") for workload in ("gpt2", "vgg16"))
+    assert time.sharded_calls(gpt2) == (5, 10, 209) and time.sharded_calls(vgg16) == (8, 16, 0)
+    cpu = cpu_profile()
+    step, comm = time.step_time(gpt2, cpu), costs.predict(gpt2).comm
+    wire = costs.wire_bytes("all_gather", comm["all_gather"], 2) + costs.wire_bytes("all_reduce", comm["all_reduce"], 2)
+    assert step.comm_s == pytest.approx((10 + 214) * 1e-4 + wire / 1e9)
+    grad_op = dataclasses.replace(gpt2, options={**gpt2.options, "sharding": "grad-op"})
+    assert time.sharded_calls(grad_op) == (5, 5, 209)
+
+
 def test_compute_is_flops_at_the_rate_plus_memory_plus_dispatch_on_a_cpu():
     cell = recipe_cell("gpt2", "ddp", 1, "smoke")
     flops, prediction = step_flops(cell), costs.predict(cell)

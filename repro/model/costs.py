@@ -242,6 +242,17 @@ def sharded_norms(cell: Cell, count: int) -> int:
     return elements
 
 
+def sharded_norm_calls(cell: Cell, count: int) -> int:
+    """All-reduces a step that complete sharded_norms: one for each stacked norm (the global gradient
+    norm, Lamb's and the clip's), and for Lamb's trust ratios one per use of a per-tensor norm (the
+    weights' and the updates' norms each used twice: 4 count). GPT-2 smoke under FSDP2, Lamb with
+    weight decay, 52 tensors: 209, as counted (docs/measurement.md, "Where an FSDP2 step's time goes")."""
+    calls = 1 if cell.option("grad_clip", None) else 0
+    if cell.optimizer == "lamb":
+        calls += 1 + (4 * count if cell.option("weight_decay", 0.0) else 0)
+    return calls
+
+
 def megatron_elements(shape: GPT2Shape, tp: int) -> int:
     """Parameter elements one tensor-parallel rank holds (Shoeybi et al. 2019, section 3): the token
     embedding (tied to the head) split by vocabulary rows; attention's QKV and the MLP's first linear

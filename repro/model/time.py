@@ -150,14 +150,34 @@ def data_parallel(cell: Cell, platform: Platform) -> StepTime:
         gather = collective_seconds(platform, "all_gather", comm_by_kind.get("all_gather", 0), n)
         # overlap_comm is off as the kit sets it (repro.adapters.zero_plan): the reductions wait in backward
         return StepTime(compute, reduce + gather, reduce + gather)
-    layers = len(cell.shape.blocks()) + 1  # units gathered one after another (FSDP: each block and the root)
-    gather = collective_seconds(platform, "all_gather", comm_by_kind.get("all_gather", 0), n, passes * layers)
-    reduce = collective_seconds(platform, "reduce_scatter_as_all_reduce", comm_by_kind.get("all_reduce", 0), n,
-                                passes * layers)
-    comm = gather + reduce
+    reductions, gathers, norms = sharded_calls(cell)
+    norm_bytes = costs.FP32 * costs.sharded_norms(cell, tensor_count(cell.shape)) if norms else 0
+    gather = collective_seconds(platform, "all_gather", comm_by_kind.get("all_gather", 0), n, gathers)
+    reduce = collective_seconds(platform, "reduce_scatter_as_all_reduce", comm_by_kind.get("all_reduce", 0) - norm_bytes,
+                                n, reductions)
+    norm_s = collective_seconds(platform, "all_reduce", norm_bytes, n, norms)
+    comm = gather + reduce + norm_s
     # prefetch hides each unit's gather behind the unit before it, the reduce-scatter behind the backward
-    # after it: the first gather and the last reduce-scatter wait (docs/time.md, "FSDP and ZeRO-3")
-    return StepTime(compute, comm, overlapped(platform, comm, compute, (gather + reduce) / layers))
+    # after it: the first gather and the last reduce-scatter wait, and the optimizer's norm reductions
+    # come after backward (docs/time.md, "FSDP and ZeRO-3")
+    return StepTime(compute, comm, overlapped(platform, comm, compute, gather / gathers + reduce / reductions + norm_s))
+
+
+def sharded_calls(cell: Cell) -> tuple[int, int, int]:
+    """Collectives a step of ZeRO-3 or FSDP2: (gradient reductions, all-gathers, norm all-reduces). FSDP2
+    reduces the gradients once a step, a unit at a time (sync is off for all but the last micro-batch),
+    gathers each unit before its forward and again before its backward in every micro-batch
+    (`reshard_after_forward`; grad-op sharding: once), and completes the norms of sharded tensors with an
+    all-reduce each (costs.sharded_norm_calls): GPT-2 smoke at 2 processes 10 all-gathers and 214
+    all-reduces, VGG-16's 16 and 8, as counted (docs/measurement.md, "Where an FSDP2 step's time goes").
+    ZeRO-3 gathers and reduces each unit once a pass."""
+    passes = cell.accumulation_steps
+    if cell.framework != "fsdp":
+        units = len(cell.shape.blocks()) + 1
+        return passes * units, passes * units, 0
+    units = cell.shape.shard_units()
+    per_pass = 1 if cell.option("sharding", "full") == "grad-op" else 2
+    return units, passes * units * per_pass, costs.sharded_norm_calls(cell, tensor_count(cell.shape))
 
 
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb (25 MiB) as the adapter leaves it
