@@ -40,7 +40,7 @@ def test_a_frameworks_own_train_settings_apply_to_its_runs_alone_below_the_comma
     (DeepSpeed's GPT-2 345M example) in the device's own 16-bit precision (auto: fp16 on a V100), PipeDream
     and torch-pipeline in fp32; a --set of the same field wins; a framework the kit does not know is named with its file and field."""
     path = recipe_path("gpt2", "paper")
-    settings = {fw: (r.train.recompute, r.train.micro_batch, r.train.precision) 
+    settings = {fw: (r.train.recompute, r.train.micro_batch, r.train.precision)
                 for fw in ("ddp", "zero", "pipedream", "torch-pipeline")
                 for r in [load_file(path, [f"run.framework={fw}"])]}
     assert settings == {"ddp": ("full", 8, "auto"), "zero": ("full", 8, "auto"), "pipedream": (None, None, "fp32"),

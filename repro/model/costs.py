@@ -223,34 +223,26 @@ def fsdp(cell: Cell) -> Prediction:
         gathered = ACTIVATION_ELEMENT[cell.precision] * held
         comm["all_gather"] = k * gathered * (1 if sharding == "grad-op" else 2)
         reduced = reduce_element * held
-        comm["all_reduce"] = ranks * reduced + (reduced if replicas > 1 else 0) + FP32 * sharded_norms(cell, count)
+        comm["all_reduce"] = ranks * reduced + (reduced if replicas > 1 else 0) + FP32 * sharded_norms(cell, count)[0]
     grads = max(FP32 * held, reduce_element * parameters(cell.shape)) if k > 1 else FP32 * held
     return Prediction(FP32 * held, grads, optimizer_bytes(cell, held, count), activations(cell, cell.batch_per_gpu), comm)
 
 
-def sharded_norms(cell: Cell, count: int) -> int:
-    """fp32 elements all-reduced per step to complete the norms of `count` sharded (DTensor) tensors: a
-    norm of a dim-0 shard is a partial result (DTensor's `_NormPartial`), reduced where it is used.
-    timm's Lamb (timm/optim/lamb.py) takes the global gradient norm of the stacked per-tensor norms
-    (`_get_clip_grad_norm`, max_grad_norm 1.0 by default: count elements) and, with weight decay,
-    per-tensor trust ratios from the weights' and the updates' norms, each stack used in two operations
-    (`_lamb_trust_ratio`: w / g, w > 0, g > 0: 4 count elements); gradient clipping
-    (`clip_grad_norm_`) the stacked gradient norms once more (count)."""
-    elements = count if cell.option("grad_clip", None) else 0
+def sharded_norms(cell: Cell, count: int) -> tuple[int, int]:
+    """(fp32 elements, all-reduces) a step that complete the norms of `count` sharded (DTensor) tensors: a
+    norm of a dim-0 shard is a partial result (DTensor's `_NormPartial`), reduced where it is used, one
+    all-reduce a use. timm's Lamb (timm/optim/lamb.py) takes the global gradient norm of the stacked
+    per-tensor norms (`_get_clip_grad_norm`, max_grad_norm 1.0 by default: count elements, one call) and,
+    with weight decay, per-tensor trust ratios from the weights' and the updates' norms, each used in two
+    operations (`_lamb_trust_ratio`: w / g, w > 0, g > 0: 4 count elements, one call each); gradient
+    clipping (`clip_grad_norm_`) the stacked gradient norms once more (count, one call). GPT-2 smoke under
+    FSDP2, Lamb with weight decay, 52 tensors: 209 all-reduces, as counted (docs/measurement.md, "Where an
+    FSDP2 step's time goes")."""
+    elements, calls = (count, 1) if cell.option("grad_clip", None) else (0, 0)
     if cell.optimizer == "lamb":
-        elements += count + (4 * count if cell.option("weight_decay", 0.0) else 0)
-    return elements
-
-
-def sharded_norm_calls(cell: Cell, count: int) -> int:
-    """All-reduces a step that complete sharded_norms: one for each stacked norm (the global gradient
-    norm, Lamb's and the clip's), and for Lamb's trust ratios one per use of a per-tensor norm (the
-    weights' and the updates' norms each used twice: 4 count). GPT-2 smoke under FSDP2, Lamb with
-    weight decay, 52 tensors: 209, as counted (docs/measurement.md, "Where an FSDP2 step's time goes")."""
-    calls = 1 if cell.option("grad_clip", None) else 0
-    if cell.optimizer == "lamb":
-        calls += 1 + (4 * count if cell.option("weight_decay", 0.0) else 0)
-    return calls
+        trust_ratios = 4 * count if cell.option("weight_decay", 0.0) else 0
+        elements, calls = elements + count + trust_ratios, calls + 1 + trust_ratios
+    return elements, calls
 
 
 def megatron_elements(shape: GPT2Shape, tp: int) -> int:

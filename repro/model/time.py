@@ -151,7 +151,7 @@ def data_parallel(cell: Cell, platform: Platform) -> StepTime:
         # overlap_comm is off as the kit sets it (repro.adapters.zero_plan): the reductions wait in backward
         return StepTime(compute, reduce + gather, reduce + gather)
     reductions, gathers, norms = sharded_calls(cell)
-    norm_bytes = costs.FP32 * costs.sharded_norms(cell, tensor_count(cell.shape)) if norms else 0
+    norm_bytes = costs.FP32 * costs.sharded_norms(cell, tensor_count(cell.shape))[0] if norms else 0
     gather = collective_seconds(platform, "all_gather", comm_by_kind.get("all_gather", 0), n, gathers)
     reduce = collective_seconds(platform, "reduce_scatter_as_all_reduce", comm_by_kind.get("all_reduce", 0) - norm_bytes,
                                 n, reductions)
@@ -168,7 +168,7 @@ def sharded_calls(cell: Cell) -> tuple[int, int, int]:
     reduces the gradients once a step, a unit at a time (sync is off for all but the last micro-batch),
     gathers each unit before its forward and again before its backward in every micro-batch
     (`reshard_after_forward`; grad-op sharding: once), and completes the norms of sharded tensors with an
-    all-reduce each (costs.sharded_norm_calls): GPT-2 smoke at 2 processes 10 all-gathers and 214
+    all-reduce a use (costs.sharded_norms): GPT-2 smoke at 2 processes 10 all-gathers and 214
     all-reduces, VGG-16's 16 and 8, as counted (docs/measurement.md, "Where an FSDP2 step's time goes").
     ZeRO-3 gathers and reduces each unit once a pass."""
     passes = cell.accumulation_steps
@@ -177,7 +177,7 @@ def sharded_calls(cell: Cell) -> tuple[int, int, int]:
         return passes * units, passes * units, 0
     units = cell.shape.shard_units()
     per_pass = 1 if cell.option("sharding", "full") == "grad-op" else 2
-    return units, passes * units * per_pass, costs.sharded_norm_calls(cell, tensor_count(cell.shape))
+    return units, passes * units * per_pass, costs.sharded_norms(cell, tensor_count(cell.shape))[1]
 
 
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb (25 MiB) as the adapter leaves it
