@@ -44,7 +44,7 @@ def test_a_frameworks_own_train_settings_apply_to_its_runs_alone_below_the_comma
                 for fw in ("ddp", "zero", "pipedream", "torch-pipeline")
                 for r in [load_file(path, [f"run.framework={fw}"])]}
     assert settings == {"ddp": ("full", 8, "auto"), "zero": ("full", 8, "auto"), "pipedream": (None, None, "fp32"),
-                        "torch-pipeline": (None, None, "fp32")}
+                        "torch-pipeline": (None, 4, "fp32")}
     ddp = load_file(path, ["run.framework=ddp", "train.micro_batch=4"])
     assert (ddp.train.recompute, ddp.train.micro_batch) == ("full", 4)
     assert "train_by_framework" not in ddp.to_dict()  # folded into train: the fingerprint sees the effective fields
@@ -131,8 +131,8 @@ def test_a_micro_batch_must_divide_the_batch_and_recompute_layers_need_recompute
                                           "selective recompute \\(attention's core only\\) is megatron-core's granularity; "
                                           "FSDP2 checkpoints whole blocks"),
     ("zero", "train.recompute=selective", "zero does not apply recompute selective \\(it applies train.recompute=full\\)"),
-    ("torch-pipeline", "train.micro_batch=4", "torch-pipeline does not accumulate gradients over micro-batches: its "
-                                              "micro-batches are the schedule's own: set torch_pipeline.microbatches"),
+    ("torch-pipeline", "train.recompute=full", "torch-pipeline does not apply recompute full: recompute around its "
+                                               "stages' blocks is not yet applied by the kit"),
     ("pipedream", "train.micro_batch=4", "pipedream does not accumulate gradients over micro-batches: PipeDream has no such"),
     ("torchgpipe", "train.recompute=none", "torchgpipe does not take train.recompute: torchgpipe recomputes and cuts "
                                            "micro-batches its own way: set torchgpipe.checkpoint"),

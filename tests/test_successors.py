@@ -90,6 +90,25 @@ def test_no_stage_begins_with_an_in_place_layer() -> None:
 
 
 @pytest.mark.units
+def test_train_micro_batch_sets_the_schedules_micro_batch_size_for_plan_and_model_alike() -> None:
+    """train.micro_batch samples each: the global batch of 8 x 2 in 4 micro-batches, as torch_pipeline.microbatches=4
+    would cut it, so one recipe file holds the size at every GPU count; the model (pipelines.schedule_microbatches)
+    counts the same, and predicts the same activations as the count would. Setting both is refused."""
+    from repro.model import costs, pipelines
+
+    sized, counted = smoke("torch-pipeline", "run.gpus=2", "train.micro_batch=4"), smoke("torch-pipeline", "run.gpus=2", "torch_pipeline.microbatches=4")
+    plan = registry.plan_class("torch-pipeline")
+    assert torch_pipeline_plan.microbatches(sized) == 4 and plan.effective(sized)["micro_batches"] == 4
+    assert plan.effective(sized)["global_batch"] == 16
+    assert pipelines.schedule_microbatches(costs.cell_of(sized)) == 4
+    assert costs.predict(costs.cell_of(sized)).activations == costs.predict(costs.cell_of(counted)).activations
+    assert torch_pipeline_plan.microbatches(smoke("torch-pipeline", "run.gpus=4", "train.micro_batch=2")) == 16
+    with pytest.raises(RecipeError, match=r"torch_pipeline.microbatches: set either torch_pipeline.microbatches \(4 a step\) "
+                                          r"or train.micro_batch \(4 samples each\), not both"):
+        smoke("torch-pipeline", "run.gpus=2", "train.micro_batch=4", "torch_pipeline.microbatches=4")
+
+
+@pytest.mark.units
 def test_pipeline_recipe_errors_print_the_arithmetic() -> None:
     with pytest.raises(RecipeError, match=r"4 GPUs x 2 stages per rank = 8 stages, but the model has only 6 layers with parameters"):
         smoke("torch-pipeline", "run.gpus=4", "torch_pipeline.schedule=interleaved-1f1b")

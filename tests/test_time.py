@@ -204,7 +204,7 @@ def test_a_pipelines_bubble_is_its_fill_and_drain_in_micro_batch_slots():
     thetagpu = platforms.load("thetagpu")
     cell = row_cell("gpt2", "torch-1f1b", 8)
     step = time.step_time(cell, thetagpu)
-    micro = 2 * 8  # torch_pipeline.microbatches' default: 2 x GPUs
+    micro = 32 * 8 // 4  # the recipe's train.micro_batch of 4 sequences: the global batch of 32 x 8 in 64
     assert step.bubble_s == pytest.approx(step.compute_s * (8 - 1) / micro)
     interleaved = dataclasses.replace(cell, options={**cell.options, "schedule": "interleaved-1f1b"})
     assert time.pipeline_plan(interleaved)[1] == 2

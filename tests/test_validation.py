@@ -118,9 +118,11 @@ BAD_INPUTS: dict[str, st.SearchStrategy] = {
     ).map(lambda a: (a, None)),
     "memory setting the framework does not apply": st.one_of(
         st.builds(lambda framework, value: GPT2_SYNTHETIC + ["--framework", framework, "--gpus", "2"] + value,
-                  st.sampled_from(["torchgpipe", "pipedream", "torch-pipeline"]),
+                  st.sampled_from(["torchgpipe", "pipedream"]),
                   st.sampled_from([setting("train.recompute", "full"), setting("train.recompute", "selective"),
                                    setting("train.micro_batch", 2), setting("train.micro_batch", 4)])),
+        st.builds(lambda value: GPT2_SYNTHETIC + ["--framework", "torch-pipeline", "--gpus", "2"] + value,  # micro-batches it takes
+                  st.sampled_from([setting("train.recompute", "full"), setting("train.recompute", "selective")])),
         st.just(GPT2_SYNTHETIC + ["--framework", "fsdp", "--gpus", "2"] + setting("train.recompute", "selective")),
         st.just(GPT2_SYNTHETIC + ["--framework", "megatron", "--gpus", "2"] + setting("train.recompute", "selective")
                 + setting("train.recompute_layers", 2)),
@@ -331,5 +333,5 @@ def test_a_run_over_its_gpus_memory_is_refused_naming_the_setting_that_fits(monk
         "memory: predicted 54.5 GiB per GPU (ddp, repro.model.costs), over this machine's GPU memory, 16.0 GiB; "
         f"--set train.micro_batch=4 fits ({peak / 2**30:.1f} GiB per GPU); --ignore-memory-check to launch anyway")
     with pytest.raises(LaunchError) as refused:
-        preflight.check_memory(load_file(paper, ["run.framework=torch-pipeline", "run.gpus=1"]), Launch())
+        preflight.check_memory(load_file(paper, ["run.framework=pipedream", "run.gpus=1"]), Launch())  # no setting of its own
     assert str(refused.value).endswith("over this machine's GPU memory, 16.0 GiB; --ignore-memory-check to launch anyway")

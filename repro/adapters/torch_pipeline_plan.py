@@ -30,7 +30,7 @@ SECTION = section_key("torch-pipeline")
 @dataclass
 class TorchPipelineOptions(FrameworkOptions):
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
-    microbatches: int | None = None  # per global batch; default 2 x GPUs
+    microbatches: int | None = None  # per global batch; default train.micro_batch samples each, else 2 x GPUs
     stages_per_rank: int | None = None  # default 1, or 2 for the interleaved schedules (which need 2 or more)
     balance: list[int] | None = None  # layers per stage; default balances parameter counts
 
@@ -46,7 +46,12 @@ def stages_per_rank(options: TorchPipelineOptions) -> int:
 
 
 def microbatches(recipe: Recipe) -> int:
-    return recipe.options().microbatches or 2 * recipe.run.gpus
+    """The schedule's micro-batches a step: torch_pipeline.microbatches, else the global batch in micro-batches of
+    train.micro_batch samples (a count that follows the GPU count, as one recipe file needs), else 2 x GPUs."""
+    micro = recipe.train.micro_batch
+    if recipe.options().microbatches:
+        return recipe.options().microbatches
+    return recipe.train.batch_per_gpu * recipe.run.gpus // micro if micro else 2 * recipe.run.gpus
 
 
 def layers(recipe: Recipe) -> tuple[list[int], list[bool]]:
@@ -69,12 +74,10 @@ def valid_split(weights: list[int], starts: list[bool], sizes: list[int]) -> boo
 class TorchPipelinePlan(FrameworkPlan):
     Options = TorchPipelineOptions
     own_checkpoint = True  # one file per rank: its stages' parameters and optimizer state
-    # train.micro_batch would be the schedule's micro-batch, which torch_pipeline.microbatches already sets (the
-    # schedule accumulates the gradients over them): one setting, not two that could disagree
-    memory_settings_refused_because = (
-        "its micro-batches are the schedule's own: set torch_pipeline.microbatches (global batch / microbatches "
-        "samples each, 2 x GPUs of them by default; fewer samples each hold fewer activations in flight); "
-        "recompute around its stages' blocks is not yet applied by the kit")
+    # train.micro_batch is the schedule's micro-batch size (the schedule accumulates the gradients over its
+    # micro-batches); torch_pipeline.microbatches counts them instead, so a recipe sets one of the two
+    accumulates = True
+    memory_settings_refused_because = "recompute around its stages' blocks is not yet applied by the kit"
 
     @classmethod
     def micro_batches(cls, recipe: Recipe) -> int:
@@ -128,6 +131,9 @@ class TorchPipelinePlan(FrameworkPlan):
     @classmethod
     def check_microbatches(cls, recipe: Recipe, source: str, stages: int) -> None:
         field, count, batch = f"{SECTION}.microbatches", microbatches(recipe), cls.global_batch(recipe)
+        if recipe.options().microbatches and recipe.train.micro_batch:
+            raise RecipeError(source, field, f"set either {field} ({count} a step) or train.micro_batch "
+                              f"({recipe.train.micro_batch} samples each), not both: they could disagree")
         if count < 1 or batch % count:
             raise RecipeError(source, field, f"the global batch ({batch}) must split into {count} equal microbatches: {batch} % {count} = {batch % max(count, 1)}")
         schedule = recipe.options().schedule

@@ -160,11 +160,19 @@ def torch_pipeline(cell: Cell) -> Prediction:
         crossing = [width * n for n in cut_outputs(cell.shape, sizes, cell.batch_per_gpu * cell.gpus)]
         comm = busiest([pipeline_rank_comm(cell, crossing, rank, ranks, count) for rank in range(ranks)])
     whole = cell.batch_per_gpu * cell.gpus
-    micro = cell.option("microbatches", None) or 2 * cell.gpus
+    micro = schedule_microbatches(cell)
     per_micro, once, tails = stage_activations(cell, sizes, whole // micro, whole)
     held = max(peak_held(schedule_actions(schedule, rank, ranks, per_rank, micro), per_micro, once, tails)
                for rank in range(ranks))
     return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), held, comm)
+
+
+def schedule_microbatches(cell: Cell) -> int:
+    """Micro-batches a step of torch's schedules, as repro.adapters.torch_pipeline_plan.microbatches counts them:
+    torch_pipeline.microbatches, else the global batch in micro-batches of train.micro_batch, else 2 x GPUs."""
+    if cell.option("microbatches", None):
+        return cell.option("microbatches", None)
+    return cell.batch_per_gpu * cell.gpus // cell.micro_batch if cell.micro_batch else 2 * cell.gpus
 
 
 def stages_per_rank(cell: Cell) -> int:

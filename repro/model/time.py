@@ -218,7 +218,7 @@ def pipeline_plan(cell: Cell) -> tuple[str, int, int, int, list[int]]:
     if cell.framework == "pipedream":
         return "pipedream", 1, 1, cell.batch_per_gpu, pipelines.stage_sizes(cell, ranks)
     per_rank = pipelines.stages_per_rank(cell)
-    micro = cell.option("microbatches", None) or 2 * ranks
+    micro = pipelines.schedule_microbatches(cell)
     return cell.option("schedule", "1f1b"), per_rank, micro, cell.batch_per_gpu * ranks // micro, \
         pipelines.stage_sizes(cell, ranks * per_rank)
 
