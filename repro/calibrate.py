@@ -79,7 +79,7 @@ def sample_batch(workload: str, recipe: Any, samples: int = 1) -> tuple[torch.Te
 
 
 # each workload at a size whose FLOPs are negligible, so a step's time is its operations' dispatch
-TINY = {"gpt2": ["model.d_model=8", "model.n_head=1", "model.seq_len=4"],
+TINY = {"gpt2": ["model.d_model=8", "model.n_head=2", "model.seq_len=4"],
         "vgg16": ["model.width_div=64", "model.classifier_width=8"]}
 # the sizes a workload's own operations are timed at (WorkloadRates): either side of the smoke recipe's
 # (GPT-2 d_model 64, VGG-16 width_div 8), none of them a size the main job checks the model on

@@ -83,9 +83,17 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         study = study_module.run_study(scale, uri, f"convergence-{scale}", execute=not reports_only)
         for path in study_module.write(study, reports):
             click.echo(str(path))
-    # this machine's profile for the step-time check: the one kept beside the store, or measured now, once
-    # (not for --reports-only, which starts no process: without a kept profile, step times go unchecked)
-    platform = machine_profile(uri, measure=not reports_only) if scale == "smoke" else None
+    # this machine's profile for the step-time check: the one kept beside the store, or measured now, once, with
+    # the frameworks' own times for the whole matrix (not for --reports-only, which starts no process: without a
+    # kept profile, step times go unchecked)
+    platform = None
+    if scale == "smoke" and not rows and not reports_only:
+        from repro import framework_overhead
+        from repro.hardware import cpu_cores
+
+        platform = framework_overhead.calibrated(uri, lambda line: click.echo(line, err=True), cpu_cores())
+    elif scale == "smoke":
+        platform = machine_profile(uri, measure=not reports_only)
     for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings, platform=platform):
         click.echo(str(path))
 
@@ -320,29 +328,45 @@ def print_times(workloads: tuple[str, ...], scale: str, name: str) -> None:
 @click.command()
 @click.option("--tracking-uri", help="The MLflow store whose folder keeps the profile (default: $MLFLOW_TRACKING_URI, "
                                      "else sqlite:///mlflow.db).")
-@click.option("--again", is_flag=True, help="Measure even where a profile of this CPU model is kept.")
-def calibrate(tracking_uri: str | None, again: bool) -> None:
+@click.option("--again", is_flag=True, help="Measure even where a profile of this CPU model is kept (the frameworks' "
+                                          "runs are reused from MLflow by recipe fingerprint).")
+@click.option("--machine-only", is_flag=True, help="Leave out the frameworks' own times (their runs take minutes).")
+def calibrate(tracking_uri: str | None, again: bool, machine_only: bool) -> None:
     """Measure this machine and keep its platform profile for the step-time model.
 
     \b
     Matrix-multiply rate by size, memory bandwidth, the host's cost per dispatched operation of each
     workload, each workload's own operations timed at sizes other than the smoke recipe's, and each
     collective's latency and bandwidth between 2 gloo processes (repro/calibrate.py), one thread a
-    process as the CPU stand-ins train; under a minute. Kept beside the MLflow store,
-    one file per CPU model, and reused; `repro predict --platform FILE` reads it.
+    process as the CPU stand-ins train; under a minute. Then each framework's own time a step beyond
+    the model's terms: the matrix's cells of no more processes than cores, 20 steps each at two model
+    sizes that the check does not use (repro/framework_overhead.py; about 3 minutes on 2 cores, recorded
+    in MLflow as experiment calibration-smoke). Kept beside the MLflow store, one file per CPU model,
+    and reused; `repro predict --platform FILE` reads it.
 
     \b
     Examples:
       repro calibrate
       repro calibrate --again
+      repro calibrate --machine-only
     """
     from repro import calibrate as calibration
     from repro.tracking import tracking_uri as resolve
 
-    platform = calibration.calibrated(calibration.store_folder(resolve(tracking_uri)), again)
+    uri = resolve(tracking_uri)
+    if machine_only:
+        platform = calibration.calibrated(calibration.store_folder(uri), again)
+    else:
+        from repro import framework_overhead
+        from repro.hardware import cpu_cores
+
+        platform = framework_overhead.calibrated(uri, lambda line: click.echo(line, err=True), cpu_cores(), again)
     click.echo(platform.path)
     click.echo(f"  matrix multiply: {platform.matmul.peak['fp32'] / 1e9:.1f} GFLOP/s at the largest size; "
                f"memory {platform.memory.bandwidth / 1e9:.1f} GB/s; dispatch " +
                ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in platform.dispatch_s.items()))
     for kind, link in platform.collectives["intra"].items():
         click.echo(f"  {kind}: {link.latency_s * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s on the wire")
+    for key, points in platform.frameworks.items():
+        click.echo(f"  {key}: own time " + ", ".join(f"{seconds * 1e3:.1f} ms at {state / 2**20:.1f} MiB of model state"
+                                                  for state, seconds in points))

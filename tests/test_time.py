@@ -291,3 +291,30 @@ def test_a_cells_check_gains_a_step_time_row_only_where_its_processes_fit_the_co
     assert (row["measured"], row["modelled"]) == (pytest.approx(0.06 - 0.005), modelled)  # median of the epochs' medians, less the loop's own
     four = model_check.check(result(4), cpu_profile(), cores=2)
     assert all(row["quantity"] != "step_time" for row in four["rows"])  # 4 processes on 2 cores: contention
+
+
+def test_a_frameworks_own_time_is_read_on_the_line_through_its_two_measured_sizes_for_its_settings_alone():
+    """Platform.frameworks (repro.framework_overhead): at 1 and 3 MB of model state 2 ms and 6 ms, so 4 ms at the
+    smoke cell's 2 MB and 8 ms at 4 MB; added to the model's terms for the cell whose framework, process count and
+    settings the key names, and to no other (ZeRO-3 is another key than ZeRO-2)."""
+    cell = recipe_cell("gpt2", "zero", 2, "smoke")
+    key, state = time.framework_key(cell), costs.predict(cell).model_state
+    measured = cpu_profile(frameworks={key: [[state - 1e6, 0.002], [state + 1e6, 0.006]]})
+    assert measured.framework_seconds(key, state) == pytest.approx(0.004)
+    assert measured.framework_seconds(key, state + 2e6) == pytest.approx(0.008)
+    assert measured.framework_seconds("gpt2 zero 4g 0000000000", state) == 0.0
+    terms, step = time.model_terms(cell, measured), time.step_time(cell, measured)
+    assert step.framework_s == pytest.approx(0.004) and step.total_s == pytest.approx(terms.total_s + 0.004)
+    assert time.step_time(cell, cpu_profile()) == terms  # a profile without frameworks: the terms alone
+    stage3 = dataclasses.replace(cell, options={**cell.options, "stage": 3})
+    assert time.framework_key(stage3) != key and time.step_time(stage3, measured).framework_s == 0.0
+    smaller = recipe_cell("gpt2", "zero", 2, "smoke", ["model.d_model=32", "model.n_head=2"])
+    assert time.framework_key(smaller) == key  # the size is not in the key: it is where the line is read
+
+
+def test_a_profile_refuses_a_malformed_frameworks_entry_naming_it(tmp_path):
+    raw = yaml.safe_load((REPO / "configs" / "platforms" / "lassen.yaml").read_text())
+    raw["frameworks"] = {"gpt2 ddp 1g abc": [[1e6]]}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError, match=r"frameworks\.gpt2 ddp 1g abc: expected \[\[model state bytes >= 0, seconds\]"):
+        platforms.load(tmp_path / "p.yaml")

@@ -12,6 +12,8 @@ term and its source: docs/time.md.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 
 from repro.model import costs, pipelines
@@ -44,10 +46,11 @@ class StepTime:
     comm_s: float  # every collective and hand-over of the step
     exposed_s: float  # the part of comm_s not hidden behind compute
     bubble_s: float = 0.0  # a pipeline's fill and drain
+    framework_s: float = 0.0  # the framework's own time beyond these terms, where the profile measured it
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.exposed_s + self.bubble_s
+        return self.compute_s + self.exposed_s + self.bubble_s + self.framework_s
 
 
 def layer_ops(shape: object, layers: list[int] | range) -> tuple[float, float, int]:
@@ -242,7 +245,17 @@ def pipeline(cell: Cell, platform: Platform) -> StepTime:
 
 
 def step_time(cell: Cell, platform: Platform) -> StepTime:
-    """The model's step time of `cell` on `platform`; KeyError for a framework it does not model."""
+    """The model's step time of `cell` on `platform`, with the framework's own time where the profile measured
+    it for the cell's framework and settings (`framework_key`); KeyError for a framework it does not model."""
+    terms = model_terms(cell, platform)
+    if not platform.frameworks:
+        return terms
+    own = platform.framework_seconds(framework_key(cell), costs.predict(cell).model_state)
+    return dataclasses.replace(terms, framework_s=own)
+
+
+def model_terms(cell: Cell, platform: Platform) -> StepTime:
+    """The step time of `cell` from the model's counted terms alone: compute, communication, bubble."""
     if cell.framework in ("ddp", "zero", "fsdp"):
         return data_parallel(cell, platform)
     if cell.framework == "megatron":
@@ -250,6 +263,17 @@ def step_time(cell: Cell, platform: Platform) -> StepTime:
     if cell.framework in ("torchgpipe", "torch-pipeline", "pipedream"):
         return pipeline(cell, platform)
     raise KeyError(f"no step-time model for {cell.framework!r}")
+
+
+def framework_key(cell: Cell) -> str:
+    """The name a profile keeps a framework's own time under (Platform.frameworks): the workload, framework and
+    process count, and a digest of every other setting but the model's size (torchgpipe's balance follows
+    the size), so that the time measured at two sizes applies to the same cell at a third."""
+    settings = sorted((name, value) for name, value in cell.options.items() if name != "balance")
+    fields = [cell.framework, cell.gpus, cell.batch_per_gpu, cell.optimizer, cell.precision, cell.device,
+              cell.micro_batch, cell.recomputed, cell.selective, settings]
+    digest = hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()[:10]
+    return f"{workload_of(cell)} {cell.framework} {cell.gpus}g {digest}"
 
 
 def samples_per_step(cell: Cell) -> int:

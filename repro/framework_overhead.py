@@ -1,0 +1,85 @@
+"""Each framework's own time a step, measured on this machine: what its step takes beyond the step-time
+model's counted terms (repro.model.time: FLOPs, memory-bound bytes, dispatched operations, collectives,
+bubble). On small CPU models that is most of what sets frameworks apart: DeepSpeed's and Megatron's
+Python around each step and their copies into flat buffers, FSDP2's per-unit hooks and DTensor
+dispatch, gloo's reductions on cores that backward also uses (docs/time.md, "A framework's own time").
+
+For every cell of the matrix that the step-time check holds (no more processes than cores), the same
+recipe runs STEPS steps at each of two model sizes that the check never uses: the workload's negligible
+size (repro.calibrate.TINY: the same layers and tensors, almost no FLOPs) and one larger than the smoke
+recipe's (CALIBRATION). Each size's measured median step less the model's terms is the framework's own
+time there; the profile keeps both (Platform.frameworks, by repro.model.time.framework_key) and the model
+reads it on the line through them at the cell's model state. So the smoke cells that the check compares
+are predicted between two measured sizes, never fitted to themselves. The runs are recorded in MLflow
+(experiment EXPERIMENT) and reused by recipe fingerprint, with warm ranks, like the matrix's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+from repro import calibrate, parity, registry
+from repro.cell import Cell
+from repro.matrix import cell_for, load_matrix
+from repro.model import costs, platforms, time
+from repro.model.platforms import Platform
+
+EXPERIMENT = "calibration-smoke"
+STEPS = 20  # 5 warm-up steps left out, 15 timed: a median that one slow step does not move
+# the sizes each workload's frameworks are timed at: negligible FLOPs, and larger than the smoke recipe's
+# (GPT-2 d_model 64, VGG-16 width_div 8), neither checked
+SIZES = {workload: [calibrate.TINY[workload], calibrate.CALIBRATION[workload][1]] for workload in calibrate.TINY}
+
+
+def calibration_cells(scale: str, cores: int) -> list[Cell]:
+    """The matrix's cells of at most `cores` processes at `scale`, each at both SIZES, STEPS steps long
+    (one of each recipe: megatron-intra and megatron-data at 1 GPU share theirs)."""
+    matrix = load_matrix()
+    plan = matrix.scales[scale]
+    cells, seen = [], set()
+    for workload in plan.workloads:
+        for row in matrix.rows:
+            for gpus in plan.gpus:
+                for size in SIZES[workload]:
+                    cell = cell_for(workload, row, gpus, scale, plan.gpus_per_node, [*size, f"train.max_steps={STEPS}"],
+                                    plan.tp_per_node)
+                    if not cell.recipe or registry.plan_class(cell.framework).processes(cell.recipe) > cores:
+                        continue
+                    if cell.recipe.fingerprint() not in seen:  # its own row: the reports fold cells of one row as repeats
+                        seen.add(cell.recipe.fingerprint())
+                        cells.append(dataclasses.replace(cell, row=f"{row.name} [{' '.join(size)}]"))
+    return cells
+
+
+def own_times(cells: list[Cell], uri: str, platform: Platform) -> dict[str, list[list[float]]]:
+    """framework_key -> [[model state bytes, seconds], ...]: each finished run's measured framework step
+    less the model's terms on `platform`, at each size."""
+    from repro.report.collect import collect
+
+    table: dict[str, list[list[float]]] = {}
+    for result in collect(cells, uri, EXPERIMENT):
+        measured = result.framework_step_time() if result.ok else None
+        cell = costs.cell_of(result.cell.recipe, result.facts) if measured else None
+        if cell is None or cell.device != "cpu":
+            continue
+        try:
+            modelled = time.model_terms(cell, platform).total_s
+        except KeyError:  # a framework without a step-time model (LBANN)
+            continue
+        table.setdefault(time.framework_key(cell), []).append([float(costs.predict(cell).model_state), measured - modelled])
+    return {key: sorted(points) for key, points in table.items()}
+
+
+def calibrated(uri: str, out: Callable[[str], None], cores: int, again: bool = False) -> Platform:
+    """This machine's profile (repro.calibrate.calibrated) with its frameworks' own times, measured now where the
+    kept profile has none (or `again`), and kept in the same file."""
+    platform = calibrate.calibrated(calibrate.store_folder(uri), again)
+    if platform.frameworks and not again:
+        return platform
+    cells = calibration_cells("smoke", cores)
+    out(f"calibrate: each framework's own time, {len(cells)} runs of {STEPS} steps at two sizes (repro/framework_overhead.py)")
+    parity.train([cell.recipe for cell in cells], uri, EXPERIMENT, out, label="calibrate")
+    measured = dataclasses.replace(platform, frameworks=own_times(cells, uri, platform))
+    platforms.dump(measured, Path(platform.path))
+    return platforms.load(platform.path)

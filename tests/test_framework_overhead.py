@@ -1,0 +1,45 @@
+"""Each framework's own time (repro.framework_overhead): which runs measure it, and the arithmetic that turns
+their measured steps into the profile's figures. Whether the model then holds on the matrix's cells is
+reports/model_check.md's check on the main job: timing on a shared test machine is no number for a unit test."""
+from __future__ import annotations
+
+import pytest
+
+from repro import calibrate, framework_overhead, registry
+from repro.model import costs, time
+from repro.report import collect
+from test_time import cpu_profile
+
+pytestmark = pytest.mark.units
+
+
+def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_not_use():
+    """At 2 cores: every matrix cell of 1 or 2 processes (torchgpipe's 4 GPUs are one), once per recipe, at the
+    negligible size and the larger one, 20 steps each, each size its own row so the reports do not fold them."""
+    cells = framework_overhead.calibration_cells("smoke", 2)
+    assert all(registry.plan_class(c.framework).processes(c.recipe) <= 2 for c in cells)
+    assert len({c.recipe.fingerprint() for c in cells}) == len(cells) == len({c.label for c in cells})
+    assert all(c.recipe.train.max_steps == framework_overhead.STEPS for c in cells)
+    sizes = {(c.workload, c.recipe.model.d_model if c.workload == "gpt2" else c.recipe.model.width_div) for c in cells}
+    assert sizes == {("gpt2", 8), ("gpt2", 128), ("vgg16", 64), ("vgg16", 4)}  # smoke: d_model 64, width_div 8
+    keys = {}
+    for cell in cells:
+        keys.setdefault(time.framework_key(costs.cell_of(cell.recipe)), []).append(cell)
+    assert all(len(pair) == 2 for pair in keys.values())  # both sizes of each cell share its key
+    assert {(c.workload, c.framework, c.gpus) for c in cells} >= {("gpt2", "torchgpipe", 4), ("vgg16", "fsdp", 2)}
+    assert not any(c.gpus == 4 and c.framework != "torchgpipe" for c in cells)
+
+
+def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms(monkeypatch):
+    """A run whose measured median step is 30 ms with 2,000 us of the loop's own time between steps: its framework
+    step is 28 ms, and the profile keeps 28 ms less the model's terms for it, at its model state."""
+    cells = framework_overhead.calibration_cells("smoke", 2)[:2]  # GPT-2 DDP at 1 process, both sizes
+    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"median": [0.030]}, harness_us=2000.0) for c in cells]
+    monkeypatch.setattr(collect, "collect", lambda *args: results)
+    platform = cpu_profile()
+    table = framework_overhead.own_times(cells, "sqlite:///unused.db", platform)
+    model = [costs.cell_of(c.recipe) for c in cells]
+    expected = sorted([float(costs.predict(m).model_state), 0.028 - time.model_terms(m, platform).total_s] for m in model)
+    assert list(table) == [time.framework_key(model[0])]
+    assert table[time.framework_key(model[0])] == [pytest.approx(point) for point in expected]
+    assert calibrate.TINY["gpt2"][1] == "model.n_head=2"  # Megatron's tp=2 needs heads for both ranks at every size
