@@ -48,9 +48,9 @@ def stages_per_rank(options: TorchPipelineOptions) -> int:
 def microbatches(recipe: Recipe) -> int:
     """The schedule's micro-batches a step: torch_pipeline.microbatches, else the global batch in micro-batches of
     train.micro_batch samples (a count that follows the GPU count, as one recipe file needs), else 2 x GPUs."""
-    micro = recipe.train.micro_batch
-    if recipe.options().microbatches:
-        return recipe.options().microbatches
+    counted, micro = recipe.options().microbatches, recipe.train.micro_batch
+    if counted:
+        return counted
     return recipe.train.batch_per_gpu * recipe.run.gpus // micro if micro else 2 * recipe.run.gpus
 
 
