@@ -72,11 +72,11 @@ def own_times(cells: list[Cell], uri: str, platform: Platform) -> dict[str, list
 
 
 def calibrated(uri: str, out: Callable[[str], None], cores: int, again: bool = False) -> Platform:
-    """This machine's profile (repro.calibrate.calibrated) with its frameworks' own times, measured now where the
-    kept profile has none (or `again`), and kept in the same file."""
+    """This machine's profile (repro.calibrate.calibrated; measured anew with `again`) with its frameworks'
+    own times, kept in the same file: their runs made where the store holds none, the model's terms
+    subtracted from them every time, so that a changed model is read against its own terms, never
+    against the terms of the model that measured them."""
     platform = calibrate.calibrated(calibrate.store_folder(uri), again)
-    if platform.frameworks and not again:
-        return platform
     cells = calibration_cells("smoke", cores)
     out(f"calibrate: each framework's own time, {len(cells)} runs of {STEPS} steps at two sizes (repro/framework_overhead.py)")
     parity.train([cell.recipe for cell in cells], uri, EXPERIMENT, out, label="calibrate")

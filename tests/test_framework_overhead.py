@@ -3,10 +3,12 @@ their measured steps into the profile's figures. Whether the model then holds on
 reports/model_check.md's check on the main job: timing on a shared test machine is no number for a unit test."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from repro import calibrate, framework_overhead, registry
-from repro.model import costs, time
+from repro.model import costs, platforms, time
 from repro.report import collect
 from test_time import cpu_profile
 
@@ -43,3 +45,20 @@ def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms(monkey
     assert list(table) == [time.framework_key(model[0])]
     assert table[time.framework_key(model[0])] == [pytest.approx(point) for point in expected]
     assert calibrate.TINY["gpt2"][1] == "model.n_head=2"  # Megatron's tp=2 needs heads for both ranks at every size
+
+
+def test_a_kept_profile_gets_its_frameworks_own_times_anew_against_the_model_of_now(monkeypatch, tmp_path):
+    """A profile kept with own times the model of its day measured: the store's runs are reused (none run again)
+    and the model's present terms subtracted from them, so a changed model is never read against old terms."""
+    path = tmp_path / "platform.yaml"
+    stale = dataclasses.replace(cpu_profile(), frameworks={"gpt2 ddp 1g old": [[1.0, 9.0], [2.0, 9.0]]}, path=str(path))
+    monkeypatch.setattr(calibrate, "calibrated", lambda folder, again: stale)
+    trained = []
+    monkeypatch.setattr(framework_overhead.parity, "train", lambda recipes, *args, **kwargs: trained.append(len(recipes)))
+    cells = framework_overhead.calibration_cells("smoke", 2)[:2]
+    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"median": [0.030]}, harness_us=2000.0) for c in cells]
+    monkeypatch.setattr(collect, "collect", lambda *args: results)
+    profile = framework_overhead.calibrated(f"sqlite:///{tmp_path}/mlflow.db", lambda line: None, 2)
+    assert trained == [len(framework_overhead.calibration_cells("smoke", 2))]
+    assert list(profile.frameworks) == [time.framework_key(costs.cell_of(cells[0].recipe))]
+    assert platforms.load(path).frameworks == profile.frameworks
