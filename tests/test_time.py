@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from repro.model import costs, platforms, time
+from repro.model import costs, pipelines, platforms, time
 from repro.model.flops import step_flops
 from repro.model.predict import recipe_cell, row_cell
 from repro.report import model_check
@@ -211,6 +211,20 @@ def test_a_pipelines_bubble_is_its_fill_and_drain_in_micro_batch_slots():
     looped = time.step_time(interleaved, thetagpu)
     assert looped.bubble_s == pytest.approx(looped.compute_s * (8 - 1) / 2 / micro)
     assert time.step_time(row_cell("gpt2", "pipedream", 8), thetagpu).bubble_s == 0.0
+
+
+def test_a_pipeline_stage_moves_each_micro_batch_once_and_its_live_state_not_what_it_holds():
+    pipedream = row_cell("vgg16", "pipedream", 2, "smoke")
+    sizes = time.pipeline_plan(pipedream)[4]
+    saved, state = pipelines.rank_traffic(pipedream, sizes, 0, 2, 1, pipedream.batch_per_gpu)
+    held = costs.predict(pipedream)  # stage 0's peak: 2 mini-batches in flight, 2 stashed weight versions
+    assert held.activations == 2 * saved
+    elements = pipelines.rank_shares(pipedream, sizes, 2)[0][0]
+    assert held.model_state - state == costs.FP32 * elements  # the live weights and one copy a step, not two versions
+    one_f_one_b = row_cell("vgg16", "torch-1f1b", 1, "smoke")  # 2 micro-batches of 8, 1 held at a time
+    _, _, micro, samples, sizes = time.pipeline_plan(one_f_one_b)
+    saved = pipelines.rank_traffic(one_f_one_b, sizes, 0, 1, micro, samples)[0]
+    assert (micro, samples) == (2, 8) and saved == 2 * one_f_one_b.shape.stage_activation_bytes(0, 40, 8)
 
 
 def test_torchgpipe_on_cpu_stand_ins_runs_every_partition_on_one_host_without_a_bubble():

@@ -321,6 +321,24 @@ def pipedream(cell: Cell) -> Prediction:
     return Prediction(weights, grads, optimizer, held, comm)
 
 
+def rank_traffic(cell: Cell, sizes: list[int], rank: int, ranks: int, micro: int, batch: int) -> tuple[int, int]:
+    """(activation bytes, model state bytes) rank `rank` moves through memory a step, where stage s of
+    `sizes` runs on rank s % ranks, `micro` micro-batches of `batch` samples (repro.model.time's
+    memory-bound term): what its stages save for backward, once for every micro-batch, and its live
+    weights, gradients and optimizer state; PipeDream also copies its weights once a step, the version
+    its next forward runs on (repro.adapters.pipedream `snapshot`). Not what the rank holds at its peak
+    (`peak_held`, PipeDream's stashed versions): held bytes are written once and read once, however
+    long they stay."""
+    element = ACTIVATION_ELEMENT[cell.precision]
+    mask = element if cell.device == "cpu" else 1
+    starts = [sum(sizes[:stage]) for stage in range(len(sizes) + 1)]
+    saved = sum(cell.shape.stage_activation_bytes(starts[s], starts[s + 1], batch, element, mask, autocast=autocasts(cell))
+                for s in range(rank, len(sizes), ranks))
+    elements, tensors = rank_shares(cell, sizes, ranks)[rank]
+    versions = 2 if cell.framework == "pipedream" else 1
+    return micro * saved, (versions + 1) * FP32 * elements + optimizer_bytes(cell, elements, tensors)
+
+
 def schedule_slots(schedule: str, ranks: int, per_rank: int, micro: int) -> float:
     """A step's length in a rank's micro-batch slots (one micro-batch's forward and backward through
     the rank's stages), the busiest rank's `micro` slots of work included: GPipe and 1F1B fill and drain

@@ -77,16 +77,20 @@ def mean_matmul_flops(cell: Cell, flops: StepFlops, layers: list[int] | range, p
     return flops.forward / max(1, passes * layer_ops(cell.shape, layers)[2])
 
 
-def compute_seconds(cell: Cell, platform: Platform, flops: StepFlops, layers: list[int] | range, passes: int) -> float:
+def compute_seconds(cell: Cell, platform: Platform, flops: StepFlops, layers: list[int] | range, passes: int,
+                    moved: tuple[int, int] | None = None) -> float:
     """The compute of a rank running `layers`, `passes` forward-backward passes a step (docs/time.md,
     "Compute"): matrix FLOPs at the rate of the step's mean operation, memory-bound bytes (activations
-    written in forward and read in backward; the model state once through the optimizer), dispatch. A
-    measured profile's own rates of the workload (WorkloadRates) stand in for its generic ones."""
+    written in forward and read in backward; the model state once through the optimizer: `moved`, else
+    what the cost model says the rank holds, which a whole-model step moves), dispatch. A measured
+    profile's own rates of the workload (WorkloadRates) stand in for its generic ones."""
     forward, backward, _ = layer_ops(cell.shape, layers)
     recomputed = flops.recompute / flops.forward if flops.forward else 0.0
     size = mean_matmul_flops(cell, flops, layers, passes)
-    prediction = costs.predict(cell)
-    activations, state = 2 * (prediction.activations or 0), OPTIMIZER_TRAFFIC * prediction.model_state
+    if moved is None:
+        prediction = costs.predict(cell)
+        moved = prediction.activations or 0, prediction.model_state
+    activations, state = 2 * moved[0], OPTIMIZER_TRAFFIC * moved[1]
     rates = platform.rates(workload_of(cell), cell.precision)
     if rates:
         matrix = flops.counted / rates.matmul_rate(size)
@@ -231,13 +235,14 @@ def pipeline(cell: Cell, platform: Platform) -> StepTime:
     layers over the step's micro-batches (repro.model.flops), stretched by the schedule's fill and drain
     (pipelines.schedule_slots), its hand-overs on the critical path. torchgpipe drives every partition
     from one process: on CPU stand-ins one host runs all of them, one after another, and hands nothing over."""
-    schedule, per_rank, micro, _, sizes = pipeline_plan(cell)
+    schedule, per_rank, micro, samples, sizes = pipeline_plan(cell)
     ranks = cell.gpus
     if cell.framework == "torchgpipe" and not platform.dispatch_overlaps:
         one = dataclasses.replace(cell, gpus=1, options={**cell.options, "balance": [sum(sizes)], "chunks_per_gpu": micro})
         return StepTime(compute_seconds(one, platform, process_flops(cell), all_layers(cell), micro), 0.0, 0.0)
     busiest = max(range(ranks), key=lambda rank: sum(layer_ops(cell.shape, rank_layers(sizes, rank, ranks))[:2]))
-    compute = compute_seconds(cell, platform, step_flops(cell), rank_layers(sizes, busiest, ranks), micro)
+    moved = pipelines.rank_traffic(cell, sizes, busiest, ranks, micro, samples)
+    compute = compute_seconds(cell, platform, step_flops(cell), rank_layers(sizes, busiest, ranks), micro, moved)
     comm = sum(collective_seconds(platform, kind, payload, 2, 2 * micro)
                for kind, payload in costs.predict(cell).comm.items() if kind in ("send", "all_reduce"))
     slots = pipelines.schedule_slots(schedule, ranks, per_rank, micro)
