@@ -93,6 +93,8 @@ CONFIGS = (
     *(Config(f"megatron-tp2-{mode}-dropout", "megatron", 2, ("megatron.tp=2", "model.dropout=0.1", f"train.recompute={mode}"),
              unchanged_by=(f"train.recompute={mode}",)) for mode in ("selective", "full")),  # its CheckpointFunction restores the RNG
     Config("fsdp-2-micro", "fsdp", 2, ("train.micro_batch=2",), cpu_tolerance=1e-6),  # gradient sync off but for the last
+    Config("torch-1f1b-2-micro", "torch-pipeline", 2, ("torch_pipeline.schedule=1f1b", "train.micro_batch=1"),
+           cpu_tolerance=1e-6),  # 8 micro-batches of 1 where its default is 2 x GPUs = 4 of 2
     Config("fsdp-2-recompute", "fsdp", 2, ("train.recompute=full",), unchanged_by=("train.recompute=full",)),
     Config("fsdp-2-recompute-dropout", "fsdp", 2, ("model.dropout=0.1", "train.recompute=full"),
            unchanged_by=("train.recompute=full",)),
