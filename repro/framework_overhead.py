@@ -8,8 +8,10 @@ For every cell of the matrix that the step-time check holds (no more processes t
 recipe runs STEPS steps at each of two model sizes that the check never uses: the workload's negligible
 size (repro.calibrate.TINY: the same layers and tensors, almost no FLOPs) and one larger than the smoke
 recipe's (CALIBRATION). Each size's measured median step less the model's terms is the framework's own
-time there; the profile keeps both (Platform.frameworks, by repro.model.time.framework_key) and the model
-reads it on the line through them at the cell's model state. So the smoke cells that the check compares
+time there, less the loop's own cost at that size, which no framework adds: the least such residual of the
+one-process runs of the frameworks that add nothing to a plain step (PLAIN). The profile keeps both sizes'
+figures (Platform.frameworks, by repro.model.time.framework_key) and the model reads them on the line through
+them at the cell's model state. So the smoke cells that the check compares
 are predicted between two measured sizes, never fitted to themselves. The runs are recorded in MLflow
 (experiment EXPERIMENT) and reused by recipe fingerprint, with warm ranks, like the matrix's.
 """
@@ -24,12 +26,18 @@ from repro.cell import Cell
 from repro.matrix import cell_for, load_matrix
 from repro.model import costs, platforms, time
 from repro.model.platforms import Platform
+from repro.model.terms import Cell as ModelCell
 
 EXPERIMENT = "calibration-smoke"
 STEPS = 20  # 5 warm-up steps left out, 15 timed: a median that one slow step does not move
 # the sizes each workload's frameworks are timed at: negligible FLOPs, and larger than the smoke recipe's
 # (GPT-2 d_model 64, VGG-16 width_div 8), neither checked
 SIZES = {workload: [calibrate.TINY[workload], calibrate.CALIBRATION[workload][1]] for workload in calibrate.TINY}
+# frameworks whose one-process step is a plain PyTorch step (DDP's reducer over one rank, PipeDream's and torch's
+# schedules with one stage): what their measured step holds beyond the model's terms is the loop's, not theirs.
+# At the negligible size that is 3-8 ms a step on a 2-core AMD EPYC, which the smoke size does not show
+# (docs/time.md, "Checked where timing is testable")
+PLAIN = ("ddp", "pipedream", "torch-pipeline")
 
 
 def calibration_cells(scale: str, cores: int) -> list[Cell]:
@@ -48,16 +56,47 @@ def calibration_cells(scale: str, cores: int) -> list[Cell]:
                         continue
                     if cell.recipe.fingerprint() not in seen:  # its own row: the reports fold cells of one row as repeats
                         seen.add(cell.recipe.fingerprint())
-                        cells.append(dataclasses.replace(cell, row=f"{row.name} [{' '.join(size)}]"))
+                        cells.append(dataclasses.replace(cell, row=f"{row.name} {size_label(size)}"))
     return cells
+
+
+def size_label(size: list[str]) -> str:
+    return f"[{' '.join(size)}]"
 
 
 def own_times(cells: list[Cell], uri: str, platform: Platform) -> dict[str, list[list[float]]]:
     """framework_key -> [[model state bytes, seconds], ...]: each finished run's measured framework step
-    less the model's terms on `platform`, at each size."""
+    less the model's terms on `platform`, and less the loop's own cost at its size (`loop_seconds`)."""
+    residuals = measured_residuals(cells, uri, platform)
+    loop = loop_seconds(residuals)
+    table: dict[str, list[list[float]]] = {}
+    for cell, modelled, state, residual in residuals:
+        table.setdefault(time.framework_key(modelled), []).append([state, residual - loop.get(size_of(cell), 0.0)])
+    return {key: sorted(points) for key, points in table.items()}
+
+
+def size_of(cell: Cell) -> tuple[str, str]:
+    """(workload, the SIZES label of the calibration row `cell` belongs to)."""
+    return cell.workload, cell.row.partition(" [")[2]
+
+
+def loop_seconds(residuals: list[tuple[Cell, ModelCell, float, float]]) -> dict[tuple[str, str], float]:
+    """Per workload and size, the loop's own seconds a step: the least residual of a PLAIN framework's
+    one-process run there (the least disturbed: one slow run does not set it)."""
+    loop: dict[tuple[str, str], float] = {}
+    for cell, _, _, residual in residuals:
+        if cell.framework in PLAIN and cell.gpus == 1:
+            loop[size_of(cell)] = min(residual, loop.get(size_of(cell), residual))
+    return loop
+
+
+def measured_residuals(cells: list[Cell], uri: str, platform: Platform) -> list[tuple[Cell, ModelCell, float, float]]:
+    """(the run's cell as `cells` has it, the model's cell of the run, its model state bytes, its measured
+    framework step less the model's terms on `platform`) for every finished CPU run of a framework the
+    step-time model covers."""
     from repro.report.collect import collect
 
-    table: dict[str, list[list[float]]] = {}
+    residuals = []
     for result in collect(cells, uri, EXPERIMENT):
         measured = result.framework_step_time() if result.ok else None
         cell = costs.cell_of(result.cell.recipe, result.facts) if measured else None
@@ -67,8 +106,8 @@ def own_times(cells: list[Cell], uri: str, platform: Platform) -> dict[str, list
             modelled = time.model_terms(cell, platform).total_s
         except KeyError:  # a framework without a step-time model (LBANN)
             continue
-        table.setdefault(time.framework_key(cell), []).append([float(costs.predict(cell).model_state), measured - modelled])
-    return {key: sorted(points) for key, points in table.items()}
+        residuals.append((result.cell, cell, float(costs.predict(cell).model_state), measured - modelled))
+    return residuals
 
 
 def calibrated(uri: str, out: Callable[[str], None], cores: int, again: bool = False) -> Platform:

@@ -32,18 +32,29 @@ def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_
     assert not any(c.gpus == 4 and c.framework != "torchgpipe" for c in cells)
 
 
-def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms(monkeypatch):
-    """A run whose measured median step is 30 ms with 2,000 us of the loop's own time between steps: its framework
-    step is 28 ms, and the profile keeps 28 ms less the model's terms for it, at its model state."""
-    cells = framework_overhead.calibration_cells("smoke", 2)[:2]  # GPT-2 DDP at 1 process, both sizes
-    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"median": [0.030]}, harness_us=2000.0) for c in cells]
+def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms_and_the_loops_own_cost(monkeypatch):
+    """Runs whose median step is 30 ms (DDP, PipeDream) and 45 ms (FSDP) at 1 process, with 2,000 us of the loop's own
+    time between steps: each framework step less the model's terms, less the loop's cost at that size, the least
+    such residual of the one-process DDP and PipeDream runs there (they add nothing to a plain step). So DDP and
+    PipeDream keep 0 at both sizes and FSDP keeps 15 ms plus the difference of the model's terms."""
+    cells = framework_overhead.calibration_cells("smoke", 2)
+    picked = [c for c in cells if c.workload == "gpt2" and c.gpus == 1 and c.framework in ("ddp", "pipedream", "fsdp")]
+    assert len(picked) == 6  # three frameworks at both sizes
+    step = {"ddp": 0.030, "pipedream": 0.030, "fsdp": 0.045}
+    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"median": [step[c.framework]]}, harness_us=2000.0)
+               for c in picked]
     monkeypatch.setattr(collect, "collect", lambda *args: results)
     platform = cpu_profile()
-    table = framework_overhead.own_times(cells, "sqlite:///unused.db", platform)
-    model = [costs.cell_of(c.recipe) for c in cells]
-    expected = sorted([float(costs.predict(m).model_state), 0.028 - time.model_terms(m, platform).total_s] for m in model)
-    assert list(table) == [time.framework_key(model[0])]
-    assert table[time.framework_key(model[0])] == [pytest.approx(point) for point in expected]
+    table = framework_overhead.own_times(picked, "sqlite:///unused.db", platform)
+    model = {(c.framework, framework_overhead.size_of(c)): costs.cell_of(c.recipe) for c in picked}
+    terms = {key: time.model_terms(m, platform).total_s for key, m in model.items()}
+    loop = {size: min(0.028 - terms[(f, s)] for (f, s) in terms if s == size and f != "fsdp") for _, size in terms}
+    for (framework, size), m in model.items():
+        own = dict(table[time.framework_key(m)])[float(costs.predict(m).model_state)]
+        assert own == pytest.approx(step[framework] - 0.002 - terms[(framework, size)] - loop[size], abs=1e-12)
+    assert len(table) == 3 and all(len(points) == 2 for points in table.values())
+    fsdp = [dict(table[time.framework_key(m)]) for (f, _), m in model.items() if f == "fsdp"][0]
+    assert min(fsdp.values()) > 0.010  # FSDP's 15 ms more a step, less the model's extra terms for it
     assert calibrate.TINY["gpt2"][1] == "model.n_head=2"  # Megatron's tp=2 needs heads for both ranks at every size
 
 

@@ -107,7 +107,8 @@ def markdown(checked: list[dict[str, Any]], with_settings: list[dict[str, Any]] 
                       f"{'holds' if median <= time.MEDIAN_BOUND else '**does not hold**'}. The model: repro/model/time.py, "
                       "docs/time.md; at paper scale: `repro predict --platform lassen|thetagpu`. A modelled step time "
                       "names in brackets the framework's own time within it: measured at two model sizes the check does "
-                      "not use and read on the line between them (repro/framework_overhead.py), not counted.", ""]
+                      "not use, less the loop's own cost there, and read on the line between them (repro/framework_overhead.py), "
+                      "not counted.", ""]
     lines += table_lines(checked)
     if with_settings:
         lines += ["", "## Runs with memory settings: recompute and micro-batches", "",
