@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ranks
-from conftest import REPO, Repro
+from conftest import NO_DEEPSPEED_FP16, REPO, Repro, deepspeed_cpu_fp16
 from repro import events, names
 from repro.activation import Counter as ActivationCounter
 from repro.adapters.recompute import checkpoint_blocks
@@ -261,6 +261,8 @@ def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.end_to_end if name == REAL_RUN else pytest.mark.ranks)
                                   for name in CELLS])
 def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name):
+    if CELLS[name][0] == "zero" and "train.precision=fp16" in CELLS[name][2] and not deepspeed_cpu_fp16():
+        pytest.skip(NO_DEEPSPEED_FP16)
     prediction, measured, rows = check(shared_repro, checked, name)
     assert measured["comm"] is not None and measured["comm_kinds"] == prediction.comm
     # model state, activations (data parallelism: the whole model's; Megatron: a tp shard's at the tp
