@@ -56,12 +56,8 @@ def calibration_cells(scale: str, cores: int) -> list[Cell]:
                         continue
                     if cell.recipe.fingerprint() not in seen:  # its own row: the reports fold cells of one row as repeats
                         seen.add(cell.recipe.fingerprint())
-                        cells.append(dataclasses.replace(cell, row=f"{row.name} {size_label(size)}"))
+                        cells.append(dataclasses.replace(cell, row=f"{row.name} [{' '.join(size)}]"))
     return cells
-
-
-def size_label(size: list[str]) -> str:
-    return f"[{' '.join(size)}]"
 
 
 def own_times(cells: list[Cell], uri: str, platform: Platform) -> dict[str, list[list[float]]]:
@@ -70,30 +66,24 @@ def own_times(cells: list[Cell], uri: str, platform: Platform) -> dict[str, list
     residuals = measured_residuals(cells, uri, platform)
     loop = loop_seconds(residuals)
     table: dict[str, list[list[float]]] = {}
-    for cell, modelled, state, residual in residuals:
-        table.setdefault(time.framework_key(modelled), []).append([state, residual - loop.get(size_of(cell), 0.0)])
+    for cell, state, residual in residuals:
+        table.setdefault(time.framework_key(cell), []).append([state, residual - loop.get(cell.shape, 0.0)])
     return {key: sorted(points) for key, points in table.items()}
 
 
-def size_of(cell: Cell) -> tuple[str, str]:
-    """(workload, the SIZES label of the calibration row `cell` belongs to)."""
-    return cell.workload, cell.row.partition(" [")[2]
-
-
-def loop_seconds(residuals: list[tuple[Cell, ModelCell, float, float]]) -> dict[tuple[str, str], float]:
-    """Per workload and size, the loop's own seconds a step: the least residual of a PLAIN framework's
-    one-process run there (the least disturbed: one slow run does not set it)."""
-    loop: dict[tuple[str, str], float] = {}
-    for cell, _, _, residual in residuals:
+def loop_seconds(residuals: list[tuple[ModelCell, float, float]]) -> dict[object, float]:
+    """Per model shape (a workload at one size), the loop's own seconds a step: the least residual of a
+    PLAIN framework's one-process run of that shape (the least disturbed: one slow run does not set it)."""
+    loop: dict[object, float] = {}
+    for cell, _, residual in residuals:
         if cell.framework in PLAIN and cell.gpus == 1:
-            loop[size_of(cell)] = min(residual, loop.get(size_of(cell), residual))
+            loop[cell.shape] = min(residual, loop.get(cell.shape, residual))
     return loop
 
 
-def measured_residuals(cells: list[Cell], uri: str, platform: Platform) -> list[tuple[Cell, ModelCell, float, float]]:
-    """(the run's cell as `cells` has it, the model's cell of the run, its model state bytes, its measured
-    framework step less the model's terms on `platform`) for every finished CPU run of a framework the
-    step-time model covers."""
+def measured_residuals(cells: list[Cell], uri: str, platform: Platform) -> list[tuple[ModelCell, float, float]]:
+    """(the model's cell of the run, its model state bytes, its measured framework step less the model's
+    terms on `platform`) for every finished CPU run of a framework the step-time model covers."""
     from repro.report.collect import collect
 
     residuals = []
@@ -106,7 +96,7 @@ def measured_residuals(cells: list[Cell], uri: str, platform: Platform) -> list[
             modelled = time.model_terms(cell, platform).total_s
         except KeyError:  # a framework without a step-time model (LBANN)
             continue
-        residuals.append((result.cell, cell, float(costs.predict(cell).model_state), measured - modelled))
+        residuals.append((cell, float(costs.predict(cell).model_state), measured - modelled))
     return residuals
 
 

@@ -46,7 +46,7 @@ def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms_and_th
     monkeypatch.setattr(collect, "collect", lambda *args: results)
     platform = cpu_profile()
     table = framework_overhead.own_times(picked, "sqlite:///unused.db", platform)
-    model = {(c.framework, framework_overhead.size_of(c)): costs.cell_of(c.recipe) for c in picked}
+    model = {(c.framework, costs.cell_of(c.recipe).shape): costs.cell_of(c.recipe) for c in picked}
     terms = {key: time.model_terms(m, platform).total_s for key, m in model.items()}
     loop = {size: min(0.028 - terms[(f, s)] for (f, s) in terms if s == size and f != "fsdp") for _, size in terms}
     for (framework, size), m in model.items():
