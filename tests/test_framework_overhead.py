@@ -17,8 +17,14 @@ pytestmark = pytest.mark.units
 
 def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_not_use():
     """At 2 cores: every matrix cell of 1 or 2 processes (torchgpipe's 4 GPUs are one), once per recipe, at the
-    negligible size and the larger one, 20 steps each, each size its own row so the reports do not fold them."""
+    negligible size and the larger one, 20 steps each, each size its own row so the reports do not fold them;
+    all of them in each of 2 passes, the second pass's runs their own (another seed), in the first's order."""
     cells = framework_overhead.calibration_cells("smoke", 2)
+    assert framework_overhead.PASSES == 2
+    first, second = cells[:len(cells) // 2], cells[len(cells) // 2:]
+    assert [c.repeat for c in first] == [0] * len(first) and [c.repeat for c in second] == [1] * len(first)
+    assert [(c.workload, c.row, c.gpus) for c in first] == [(c.workload, c.row, c.gpus) for c in second]
+    assert [c.recipe.seed for c in second] == [c.recipe.seed + 1000 for c in first]
     assert all(registry.plan_class(c.framework).processes(c.recipe) <= 2 for c in cells)
     assert len({c.recipe.fingerprint() for c in cells}) == len(cells) == len({c.label for c in cells})
     assert all(c.recipe.train.max_steps == framework_overhead.STEPS for c in cells)
@@ -27,21 +33,24 @@ def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_
     keys = {}
     for cell in cells:
         keys.setdefault(time.framework_key(costs.cell_of(cell.recipe)), []).append(cell)
-    assert all(len(pair) == 2 for pair in keys.values())  # both sizes of each cell share its key
+    assert all(len(runs) == 4 for runs in keys.values())  # both sizes of each cell, in both passes, share its key
     assert {(c.workload, c.framework, c.gpus) for c in cells} >= {("gpt2", "torchgpipe", 4), ("vgg16", "fsdp", 2)}
     assert not any(c.gpus == 4 and c.framework != "torchgpipe" for c in cells)
 
 
 def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms_and_the_loops_own_cost(monkeypatch):
-    """Runs whose median step is 30 ms (DDP, PipeDream) and 45 ms (FSDP) at 1 process, with 2,000 us of the loop's own
-    time between steps: each framework step less the model's terms, less the loop's cost at that size, the least
-    such residual of the one-process DDP and PipeDream runs there (they add nothing to a plain step). So DDP and
-    PipeDream keep 0 at both sizes and FSDP keeps 15 ms plus the difference of the model's terms."""
+    """Runs whose median step is 30 ms (DDP, PipeDream) and 45 ms (FSDP) at 1 process in the faster of two passes
+    (DDP's first and FSDP's second 60% slower), with 2,000 us of the loop's own time between steps: each framework
+    step less the model's terms, less the loop's cost at that size, the least such residual of the one-process DDP
+    and PipeDream runs there (they add nothing to a plain step), the faster pass kept. So DDP and PipeDream keep 0
+    at both sizes and FSDP keeps 15 ms plus the difference of the model's terms."""
     cells = framework_overhead.calibration_cells("smoke", 2)
     picked = [c for c in cells if c.workload == "gpt2" and c.gpus == 1 and c.framework in ("ddp", "pipedream", "fsdp")]
-    assert len(picked) == 6  # three frameworks at both sizes
+    assert len(picked) == 12  # three frameworks at both sizes, in both passes
     step = {"ddp": 0.030, "pipedream": 0.030, "fsdp": 0.045}
-    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"median": [step[c.framework]]}, harness_us=2000.0)
+    slow = {("ddp", 0), ("fsdp", 1)}  # (framework, pass) whose runs were 60% slow
+    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], harness_us=2000.0,
+                              step_s={"median": [step[c.framework] * (1.6 if (c.framework, c.repeat) in slow else 1.0)]})
                for c in picked]
     monkeypatch.setattr(collect, "collect", lambda *args: results)
     platform = cpu_profile()
