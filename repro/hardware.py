@@ -134,6 +134,19 @@ def gpu_memory_bytes() -> int:
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
 
 
+def cpu_computes_fp16() -> bool:
+    """Whether oneDNN computes fp16 on this CPU (torch.ops.mkldnn._is_mkldnn_fp16_supported: AVX512-FP16 or
+    AMX-FP16 on x86; an AMD EPYC with AVX-512 has neither): the test DeepSpeed's CPU accelerator makes before it
+    trains fp16 (deepspeed/accelerator/cpu_accelerator.py, is_fp16_supported), reading any failure as no.
+    Imports torch (2 s), so only a run that asks for fp16 on CPU calls it."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # noqa: BLE001 - DeepSpeed's test reads any failure as no, so the refusal matches it
+        return False
+
+
 def cpu_cores() -> int:
     """Cores this process may run on (its affinity: what a container or `taskset` grants, not the host's;
     all of the host's where the system has no affinity, as on macOS)."""

@@ -94,18 +94,6 @@ class Repro:
         return self.env["MLFLOW_TRACKING_URI"]
 
 
-def deepspeed_cpu_fp16() -> bool:
-    """Whether DeepSpeed trains fp16 on this CPU: its own test (deepspeed/accelerator/cpu_accelerator.py,
-    is_fp16_supported: mkldnn's fp16, which needs AVX512-FP16 or AMX-FP16); without it deepspeed.initialize
-    refuses fp16 (deepspeed/runtime/engine.py, _do_sanity_check). An AMD EPYC with AVX-512 has neither."""
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except Exception:  # noqa: BLE001 - DeepSpeed's own test reads any failure as no
-        return False
-
-
 NO_DEEPSPEED_FP16 = "DeepSpeed refuses fp16 on a CPU without AVX512-FP16 or AMX-FP16 (cpu_accelerator.is_fp16_supported)"
 
 

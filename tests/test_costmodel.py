@@ -18,11 +18,12 @@ import pytest
 import torch
 
 import ranks
-from conftest import NO_DEEPSPEED_FP16, REPO, Repro, deepspeed_cpu_fp16
+from conftest import NO_DEEPSPEED_FP16, REPO, Repro
 from repro import events, names
 from repro.activation import Counter as ActivationCounter
 from repro.adapters.recompute import checkpoint_blocks
 from repro.flops import FlopCounter
+from repro.hardware import cpu_computes_fp16
 from repro.model import costs, flops
 from repro.adapters.torch_pipeline import stage_starts
 from repro.model.predict import Fit
@@ -261,7 +262,7 @@ def check(shared_repro: Repro, cache: dict, name: str) -> tuple:
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.end_to_end if name == REAL_RUN else pytest.mark.ranks)
                                   for name in CELLS])
 def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name):
-    if CELLS[name][0] == "zero" and "train.precision=fp16" in CELLS[name][2] and not deepspeed_cpu_fp16():
+    if CELLS[name][0] == "zero" and "train.precision=fp16" in CELLS[name][2] and not cpu_computes_fp16():
         pytest.skip(NO_DEEPSPEED_FP16)
     prediction, measured, rows = check(shared_repro, checked, name)
     assert measured["comm"] is not None and measured["comm_kinds"] == prediction.comm

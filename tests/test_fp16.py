@@ -17,7 +17,7 @@ import torch
 
 import overflow_probe
 import ranks
-from conftest import NO_DEEPSPEED_FP16, deepspeed_cpu_fp16
+from conftest import NO_DEEPSPEED_FP16
 from references import gpt2, plain_gpt2
 from repro import hardware
 from repro.model import costs
@@ -141,7 +141,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(tm
 @pytest.mark.ranks
 @pytest.mark.parametrize("framework, sets", [("ddp", []), ("fsdp", []), ("zero", []), ("zero", ["zero.stage=3"])])
 def test_fp16_on_this_cpu_trains_within_its_band_of_fp32(references, framework, sets) -> None:
-    if framework == "zero" and not deepspeed_cpu_fp16():
+    if framework == "zero" and not hardware.cpu_computes_fp16():
         pytest.skip(NO_DEEPSPEED_FP16)
     fp16 = references.losses(gpt2(framework, 2, *sets, "train.precision=fp16"))
     plain = references.losses(plain_gpt2())

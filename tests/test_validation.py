@@ -295,6 +295,28 @@ def test_zero_on_cpu_stand_ins_without_a_compiler_or_headers_is_refused_naming_t
     preflight.check_devices(recipe, Launch())
 
 
+def test_zero_fp16_on_a_cpu_that_computes_no_fp16_is_refused_in_one_line_before_launch(monkeypatch):
+    """DeepSpeed refuses fp16 on a CPU without oneDNN's fp16 in every rank as it starts; the kit refuses it first,
+    naming train.precision, by the same test DeepSpeed makes (so the two agree on this machine). DDP's autocast
+    trains fp16 on any CPU, and ZeRO's bf16 is not refused."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    assert hardware.cpu_computes_fp16() == bool(CPU_Accelerator().is_fp16_supported())
+    zero_fp16 = load_file(recipe_path("gpt2", "smoke"), ["run.framework=zero", "run.gpus=2", "run.device=cpu",
+                                                         "train.precision=fp16"])
+    monkeypatch.setattr(hardware, "cpu_computes_fp16", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_model", lambda: "AMD EPYC")
+    with pytest.raises(LaunchError, match=r"^train.precision: fp16 under zero on CPU stand-ins, and this CPU \(AMD "
+                                          r"EPYC\) computes no fp16: DeepSpeed trains fp16 on a CPU only where oneDNN "
+                                          r"computes fp16 \(AVX512-FP16 or AMX-FP16\); set train.precision to bf16 "
+                                          r"or fp32, or run on GPUs$"):
+        preflight.check_devices(zero_fp16, Launch())
+    for sets in (["run.framework=ddp", "train.precision=fp16"], ["run.framework=zero", "train.precision=bf16"]):
+        preflight.check_devices(load_file(recipe_path("gpt2", "smoke"), ["run.gpus=2", "run.device=cpu", *sets]), Launch())
+    monkeypatch.setattr(hardware, "cpu_computes_fp16", lambda: True)
+    preflight.check_devices(zero_fp16, Launch())
+
+
 def test_building_the_ops_ahead_says_why_not_where_this_machine_cannot(monkeypatch, tmp_path):
     """`make setup` builds DeepSpeed's CPU op ahead of the first ZeRO run; without a compiler it says what to
     install and goes on (setup does not fail), and where the op is installed prebuilt it builds nothing."""

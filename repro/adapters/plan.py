@@ -37,6 +37,9 @@ class FrameworkPlan:
     # "module:function" that builds it now, in a process of its own (`repro doctor --build-ops`, run by
     # `make setup`), so that no first run pays the build
     cpu_extension_builder: str | None = None
+    # Why it trains no fp16 on CPU stand-ins where the CPU computes no fp16 (hardware.cpu_computes_fp16), for a
+    # framework that checks this itself as it starts; empty: it trains fp16 on any CPU (torch's autocast)
+    cpu_fp16_refused_because: str = ""
     # The memory settings (train.recompute, train.micro_batch, issue 39) this framework applies through its
     # own mechanism: the recompute modes it takes, and whether it accumulates gradients over micro-batches;
     # a setting it does not take is refused before launch with `memory_settings_refused_because`.

@@ -38,6 +38,9 @@ class ZeroPlan(FrameworkPlan):
     # prebuilt (deepspeed/comm/torch.py, build_shm_op; its module: ops/op_builder/cpu/comm.py, absolute_name)
     cpu_extension = "deepspeed.ops.comm.deepspeed_shm_comm_op"
     cpu_extension_builder = "repro.adapters.zero:build_cpu_extension"
+    # deepspeed.initialize raises "Type fp16 is not supported on your device" in every rank
+    # (deepspeed/runtime/engine.py, _do_sanity_check; accelerator/cpu_accelerator.py, is_fp16_supported)
+    cpu_fp16_refused_because = "DeepSpeed trains fp16 on a CPU only where oneDNN computes fp16 (AVX512-FP16 or AMX-FP16)"
     # DeepSpeed's gradient_accumulation_steps, and torch.utils.checkpoint around the workload's blocks
     # (repro.adapters.zero says why not deepspeed.checkpointing)
     recompute_modes, accumulates = ("full",), True

@@ -103,6 +103,7 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
     plan = registry.plan_class(run.framework)
     if plan.cpu_extension and not installed_prebuilt(plan.cpu_extension):
         check_extension_build(run.framework)
+    check_cpu_precision(recipe)
     processes = plan.processes(recipe) // run.nodes
     cores = hardware.cpu_cores()
     if processes > CPU_PROCESSES_PER_CORE * cores and not options.oversubscribe:
@@ -110,6 +111,17 @@ def check_devices(recipe: Recipe, options: Launch) -> None:
             f"run.gpus: {processes} CPU processes stand in for GPUs here, but this machine has {cores} cores and no "
             f"GPU (at most {CPU_PROCESSES_PER_CORE} x {cores} = {CPU_PROCESSES_PER_CORE * cores} processes): "
             "use fewer --gpus, --launcher slurm, or --oversubscribe")
+
+
+def check_cpu_precision(recipe: Recipe) -> None:
+    """CPU stand-ins train the recipe's precision: fp16 under a framework that refuses it on a CPU that computes
+    no fp16 is refused here, in one line, rather than by every rank as it starts."""
+    framework = recipe.run.framework
+    because = registry.plan_class(framework).cpu_fp16_refused_because
+    if recipe.train.precision == "fp16" and because and not hardware.cpu_computes_fp16():
+        raise LaunchError(f"train.precision: fp16 under {framework} on CPU stand-ins, and this CPU "
+                          f"({hardware.cpu_model()}) computes no fp16: {because}; set train.precision to bf16 "
+                          "or fp32, or run on GPUs")
 
 
 def check_memory(recipe: Recipe, options: Launch) -> None:
