@@ -47,7 +47,8 @@ PASSES = 2
 def calibration_cells(scale: str, cores: int) -> list[Cell]:
     """The matrix's cells of at most `cores` processes at `scale`, each at both SIZES, STEPS steps long
     (one of each recipe: megatron-intra and megatron-data at 1 GPU share theirs), in PASSES passes: each
-    pass's cell a repeat of the first's with its own seed (so its own run), the passes one after another."""
+    pass's cell a repeat of the first's with its own seed (so its own run) and its own row (so the reports
+    keep every pass's result: repro.report.collect folds the repeats of a row), the passes one after another."""
     matrix = load_matrix()
     plan = matrix.scales[scale]
     cells, seen = [], set()
@@ -63,7 +64,8 @@ def calibration_cells(scale: str, cores: int) -> list[Cell]:
                         seen.add(cell.recipe.fingerprint())
                         cells.append(dataclasses.replace(cell, row=f"{row.name} [{' '.join(size)}]"))
     passes = [repeated(cell, PASSES) for cell in cells]
-    return [cell_repeats[p] for p in range(PASSES) for cell_repeats in passes]
+    return [dataclasses.replace(repeats[p], row=f"{repeats[p].row} pass {p + 1}")  # a row each: never folded as repeats
+            for p in range(PASSES) for repeats in passes]
 
 
 def own_times(cells: list[Cell], uri: str, platform: Platform) -> dict[str, list[list[float]]]:

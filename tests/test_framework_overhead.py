@@ -23,8 +23,10 @@ def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_
     assert framework_overhead.PASSES == 2
     first, second = cells[:len(cells) // 2], cells[len(cells) // 2:]
     assert [c.repeat for c in first] == [0] * len(first) and [c.repeat for c in second] == [1] * len(first)
-    assert [(c.workload, c.row, c.gpus) for c in first] == [(c.workload, c.row, c.gpus) for c in second]
+    assert [(c.workload, c.row.replace("pass 1", "pass 2"), c.gpus) for c in first] == [(c.workload, c.row, c.gpus) for c in second]
     assert [c.recipe.seed for c in second] == [c.recipe.seed + 1000 for c in first]
+    finished = [collect.Result(c, "FINISHED", epoch_s=[1.0]) for c in cells]
+    assert [r.cell for r in collect.fold_repeats(finished)] == cells  # every pass's run is read, none folded away
     assert all(registry.plan_class(c.framework).processes(c.recipe) <= 2 for c in cells)
     assert len({c.recipe.fingerprint() for c in cells}) == len(cells) == len({c.label for c in cells})
     assert all(c.recipe.train.max_steps == framework_overhead.STEPS for c in cells)
