@@ -270,7 +270,11 @@ def test_step_time_rows_hold_each_cell_to_the_bound_and_the_median_to_its_own():
     assert rows[2]["error"] == pytest.approx(0.25)  # |0.08 - 0.1| / 0.08: relative to the measured step
     checked = [{"cell": "gpt2 ddp 1g", "row": "ddp", "run_id": "r", "rows": rows}]
     assert model_check.median_step_time_error(checked) == pytest.approx(0.2)
-    assert "median error 20.0% over 3 cells: **does not hold**" in model_check.markdown(checked)
+    assert "median error 20.0% over 3 cells, 2 within 20%: **does not hold**" in model_check.markdown(checked)
+    checked[0]["rows"] = rows[:1] * 2 + rows[2:]  # median 0, but one cell outside its bound
+    assert "median error 0.0% over 3 cells, 2 within 20%: **does not hold**" in model_check.markdown(checked)
+    checked[0]["rows"] = rows[:2]
+    assert "median error 10.0% over 2 cells, 2 within 20%: holds" in model_check.markdown(checked)
 
 
 def test_the_op_counts_are_what_a_step_dispatches():
