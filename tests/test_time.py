@@ -277,6 +277,28 @@ def test_step_time_rows_hold_each_cell_to_the_bound_and_the_median_to_its_own():
     assert "median error 10.0% over 2 cells, 2 within 20%: holds" in model_check.markdown(checked)
 
 
+def test_a_single_runs_check_says_when_the_profile_holds_no_own_time_of_its_framework(monkeypatch):
+    """`repro run`'s one line: against a profile without the framework's own time (a machine-only profile, or
+    settings the matrix does not run) it says the model's terms alone were checked, and where to measure the rest."""
+    from repro import calibrate
+    from repro.recipe import load_file, recipe_path
+    from repro.report import collect
+
+    recipe = load_file(recipe_path("gpt2", "smoke"), ["run.framework=ddp", "run.gpus=1", "run.device=cpu"])
+    cell = costs.cell_of(recipe)
+    measured = time.model_terms(cell, cpu_profile()).total_s * 1.1  # 10% above the terms
+    result = lambda cells, *args: [collect.Result(cells[0], "FINISHED", epoch_s=[1.0], step_s={"median": [measured]})]
+    monkeypatch.setattr(collect, "collect", result)
+    monkeypatch.setattr(model_check, "log_step_times", lambda uri, checked: None)
+    for frameworks, note in (({}, True), ({time.framework_key(cell): [[0.0, 0.0], [1e9, 0.0]]}, False)):
+        profile = cpu_profile(frameworks=frameworks, path="/kept/platform-test.yaml")
+        monkeypatch.setattr(calibrate, "calibrated", lambda folder, shared: profile)
+        line = model_check.check_run(recipe, "sqlite:///unused.db", "repro")
+        assert line.startswith("step-time check: measured ") and "(error 9.1%, bound 20%; repro/model/time.py)" in line
+        assert line.endswith("; the model's terms only: /kept/platform-test.yaml holds no own time of ddp at 1 process "
+                             "with these settings (`repro calibrate` measures the matrix's cells)") == note
+
+
 def test_the_op_counts_are_what_a_step_dispatches():
     pytest.importorskip("torch")
     sys.path.insert(0, str(REPO / "bench"))

@@ -225,10 +225,14 @@ def check_run(recipe: Any, uri: str, experiment: str) -> str | None:
     results = [result for result in collect([cell], uri, experiment) if result.ok]
     if not results:
         return None
-    checked = checks(results, calibrate.calibrated(calibrate.store_folder(uri), shared=True), cpu_cores())
+    platform = calibrate.calibrated(calibrate.store_folder(uri), shared=True)
+    checked = checks(results, platform, cpu_cores())
     log_step_times(uri, checked)
     row = next((row for row in checked[0].get("rows", []) if row["quantity"] == "step_time"), None)
     if row is None or row["error"] is None:
         return None
+    own = time.framework_key(costs.cell_of(recipe, results[0].facts)) in platform.frameworks
     return (f"step-time check: measured {row['measured'] * 1e3:.1f} ms, modelled {row['modelled'] * 1e3:.1f} ms "
-            f"(error {row['error']:.1%}, bound {row['bound']:.0%}; repro/model/time.py)")
+            f"(error {row['error']:.1%}, bound {row['bound']:.0%}; repro/model/time.py)" + ("" if own else
+            f"; the model's terms only: {platform.path} holds no own time of {recipe.run.framework} at "
+            f"{processes} process{'es' * (processes > 1)} with these settings (`repro calibrate` measures the matrix's cells)"))
