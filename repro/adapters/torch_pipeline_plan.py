@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from repro.adapters.plan import FrameworkPlan
+from repro.model.pipelines import MULTI_STAGE, microbatch_count, stage_count
 from repro.partition import balance
 from repro.recipe import FrameworkOptions, Recipe, section_key
 from repro.schema import RecipeError
@@ -19,7 +20,6 @@ SCHEDULES = {  # recipe name -> class in torch.distributed.pipelining
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zero-bubble": "ScheduleInterleavedZeroBubble",
 }
-MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
 # The torch release each schedule came with: torch.distributed.pipelining with 2.4, the zero-bubble schedule
 # with 2.5 (pytorch/pytorch#133467, merged in August 2024). Read from the installed package's metadata: the
 # parent does not import torch.
@@ -42,16 +42,13 @@ def release(version: str) -> tuple[int, int]:
 
 
 def stages_per_rank(options: TorchPipelineOptions) -> int:
-    return options.stages_per_rank or (2 if options.schedule in MULTI_STAGE else 1)
+    return stage_count(options.schedule, options.stages_per_rank)
 
 
 def microbatches(recipe: Recipe) -> int:
-    """The schedule's micro-batches a step: torch_pipeline.microbatches, else the global batch in micro-batches of
-    train.micro_batch samples (a count that follows the GPU count, as one recipe file needs), else 2 x GPUs."""
-    counted, micro = recipe.options().microbatches, recipe.train.micro_batch
-    if counted:
-        return counted
-    return recipe.train.batch_per_gpu * recipe.run.gpus // micro if micro else 2 * recipe.run.gpus
+    """The schedule's micro-batches a step (repro.model.pipelines.microbatch_count: the model reads the same rule)."""
+    train = recipe.train
+    return microbatch_count(recipe.options().microbatches, train.micro_batch, train.batch_per_gpu, recipe.run.gpus)
 
 
 def layers(recipe: Recipe) -> tuple[list[int], list[bool]]:

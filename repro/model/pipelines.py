@@ -167,18 +167,34 @@ def torch_pipeline(cell: Cell) -> Prediction:
     return Prediction(FP32 * elements, FP32 * elements, optimizer_bytes(cell, elements, tensors), held, comm)
 
 
+# torch's schedules that loop over several stages a rank (the others hold one)
+MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
+
+
+def microbatch_count(counted: int | None, micro_batch: int | None, batch_per_gpu: int, gpus: int) -> int:
+    """Micro-batches a step of torch's schedules, the one rule the plan (repro.adapters.torch_pipeline_plan) and
+    the model both read: `counted` (torch_pipeline.microbatches), else the global batch in micro-batches of
+    `micro_batch` samples (train.micro_batch: a count that follows the GPU count, as one recipe file needs),
+    else 2 x GPUs."""
+    if counted:
+        return counted
+    return batch_per_gpu * gpus // micro_batch if micro_batch else 2 * gpus
+
+
+def stage_count(schedule: str, stages_per_rank: int | None) -> int:
+    """Stages a rank of torch's schedules holds: `stages_per_rank` where the recipe sets it, else two for the
+    looped schedules (MULTI_STAGE) and one for the others."""
+    return stages_per_rank or (2 if schedule in MULTI_STAGE else 1)
+
+
 def schedule_microbatches(cell: Cell) -> int:
-    """Micro-batches a step of torch's schedules, as repro.adapters.torch_pipeline_plan.microbatches counts them:
-    torch_pipeline.microbatches, else the global batch in micro-batches of train.micro_batch, else 2 x GPUs."""
-    if cell.option("microbatches", None):
-        return cell.option("microbatches", None)
-    return cell.batch_per_gpu * cell.gpus // cell.micro_batch if cell.micro_batch else 2 * cell.gpus
+    """Micro-batches a step of torch's schedules for the model's cell (`microbatch_count`)."""
+    return microbatch_count(cell.option("microbatches", None), cell.micro_batch, cell.batch_per_gpu, cell.gpus)
 
 
 def stages_per_rank(cell: Cell) -> int:
-    """Stages a rank of torch's schedules holds: the interleaved schedules two, unless the recipe says."""
-    looped = cell.option("schedule", "1f1b") in ("interleaved-1f1b", "zero-bubble")
-    return cell.option("stages_per_rank", None) or (2 if looped else 1)
+    """Stages a rank of torch's schedules holds, for the model's cell (`stage_count`)."""
+    return stage_count(cell.option("schedule", "1f1b"), cell.option("stages_per_rank", None))
 
 
 def stage_sizes(cell: Cell, count: int) -> list[int]:
