@@ -8,12 +8,13 @@ For every cell of the matrix that the step-time check holds (no more processes t
 recipe runs STEPS steps at each of two model sizes that the check never uses: the workload's negligible
 size (repro.calibrate.TINY: the same layers and tensors, almost no FLOPs) and one larger than the smoke
 recipe's (CALIBRATION), once in each of PASSES passes over all of them. Each size's measured median step less
-the model's terms, the least over the passes, is the framework's own time there, less the loop's own cost at that size, which no framework adds: the least such residual of the
-one-process runs of the frameworks that add nothing to a plain step (PLAIN). The profile keeps both sizes'
-figures (Platform.frameworks, by repro.model.time.framework_key) and the model reads them on the line through
-them at the cell's model state. So the smoke cells that the check compares
-are predicted between two measured sizes, never fitted to themselves. The runs are recorded in MLflow
-(experiment EXPERIMENT) and reused by recipe fingerprint, with warm ranks, like the matrix's.
+the model's terms, the least over the passes, is the framework's own time there, less the loop's own cost at
+that size, which no framework adds: the least such residual of the one-process runs of the frameworks that add
+nothing to a plain step (PLAIN). The profile keeps both sizes' figures (Platform.frameworks, by
+repro.model.time.framework_key) and the model reads them on the line through them at the cell's model state.
+So the smoke cells that the check compares are predicted between two measured sizes, never fitted to themselves.
+The runs are recorded in MLflow (experiment EXPERIMENT) and reused by recipe fingerprint, with warm ranks, like
+the matrix's.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ SIZES = {workload: [calibrate.TINY[workload], calibrate.CALIBRATION[workload][1]
 # At the negligible size that is 3-8 ms a step on a 2-core AMD EPYC, which the smoke size does not show
 # (docs/time.md, "Checked where timing is testable")
 PLAIN = ("ddp", "pipedream", "torch-pipeline")
-# every calibration run is made this many times, a pass over all of them apart (about 90 s on 2 cores), and the
+# every calibration run is made this many times, a pass over all of them apart (about 3.5 min on 2 cores), and the
 # least residual kept: one in-job run of 20 steps was 60% slow throughout where its reruns agreed within 10%
 # (docs/time.md, "Checked where timing is testable"), so a slow spell of the machine must hit both passes to count
 PASSES = 2
