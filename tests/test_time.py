@@ -200,16 +200,23 @@ def test_a_workloads_own_rates_stand_in_for_the_generic_ones_in_fp32():
     assert time.step_time(bf16, measured) == time.step_time(bf16, cpu_profile())
 
 
-def test_a_pipelines_bubble_is_its_fill_and_drain_in_micro_batch_slots():
+def test_a_pipelines_bubble_is_every_other_ranks_micro_batch_slot_once():
     thetagpu = platforms.load("thetagpu")
     cell = row_cell("gpt2", "torch-1f1b", 8)
     step = time.step_time(cell, thetagpu)
-    micro = 32 * 8 // 4  # the recipe's train.micro_batch of 4 sequences: the global batch of 32 x 8 in 64
-    assert step.bubble_s == pytest.approx(step.compute_s * (8 - 1) / micro)
+    schedule, _, micro, samples, sizes = time.pipeline_plan(cell)
+    assert micro == 32 * 8 // 4  # the recipe's train.micro_batch of 4 sequences: the global batch of 32 x 8 in 64
+    computes = time.rank_computes(cell, thetagpu, sizes, micro, samples)
+    assert step.compute_s == max(computes) == computes[-1]  # the last stage's head and loss make it the busiest
+    assert step.bubble_s == pytest.approx((sum(computes) - computes[-1]) / micro)
+    # the other ranks are lighter, so the fill and drain are shorter than 7 of the busiest rank's slots
+    assert step.bubble_s < 0.5 * step.compute_s * (8 - 1) / micro
     interleaved = dataclasses.replace(cell, options={**cell.options, "schedule": "interleaved-1f1b"})
     assert time.pipeline_plan(interleaved)[1] == 2
     looped = time.step_time(interleaved, thetagpu)
-    assert looped.bubble_s == pytest.approx(looped.compute_s * (8 - 1) / 2 / micro)
+    _, _, micro, samples, sizes = time.pipeline_plan(interleaved)
+    computes = time.rank_computes(interleaved, thetagpu, sizes, micro, samples)
+    assert looped.bubble_s == pytest.approx((sum(computes) - max(computes)) / 2 / micro)
     assert time.step_time(row_cell("gpt2", "pipedream", 8), thetagpu).bubble_s == 0.0
 
 

@@ -154,11 +154,15 @@ def stage_flops(cell: Cell, sizes: list[int], batch: int, recomputed: int = 0) -
     return out
 
 
-def pipeline(cell: Cell, stages: list[tuple[int, int, int]], elements: list[int]) -> StepFlops:
-    """The busiest rank's FLOPs where stage s runs on rank s % ranks, rank r holding `elements[r]`."""
+def rank_flops(cell: Cell, stages: list[tuple[int, int, int]], elements: list[int]) -> list[StepFlops]:
+    """Each rank's FLOPs where stage s runs on rank s % ranks, rank r holding `elements[r]`."""
     ranks = len(elements)
-    per_rank = [StepFlops(*(sum(stage[i] for stage in stages[rank::ranks]) for i in range(3)),
-                          optimizer_flops(cell, elements[rank])) for rank in range(ranks)]
+    return [StepFlops(*(sum(stage[i] for stage in stages[rank::ranks]) for i in range(3)),
+                      optimizer_flops(cell, elements[rank])) for rank in range(ranks)]
+
+
+def most_flops(per_rank: list[StepFlops]) -> StepFlops:
+    """The rank of `per_rank` with the most counted FLOPs: the one the FLOP check compares."""
     return max(per_rank, key=lambda flops: flops.counted)
 
 
@@ -179,27 +183,27 @@ def torchgpipe_partitions(cell: Cell) -> list[StepFlops]:
     stages[0] = (forward, backward + (chunks - 1) * layer_forward(cell.shape, b)[0], recompute)
     elements = [sum(map(sum, part)) for part in split(cell.shape.layer_tensors(), sizes)]
     elements[-1] += cell.shape.tied_elements()
-    return [pipeline(cell, [stage], [held]) for stage, held in zip(stages, elements)]
+    return [rank_flops(cell, [stage], [held])[0] for stage, held in zip(stages, elements)]
 
 
 def torchgpipe(cell: Cell) -> StepFlops:
     """torchgpipe's busiest partition (GPU)."""
-    return max(torchgpipe_partitions(cell), key=lambda flops: flops.counted)
+    return most_flops(torchgpipe_partitions(cell))
 
 
-def torch_pipeline(cell: Cell) -> StepFlops:
-    """torch's schedules: the global batch (batch_per_gpu x GPUs) through every stage, stage s on rank s % GPUs."""
+def torch_pipeline_ranks(cell: Cell) -> list[StepFlops]:
+    """torch's schedules, per rank: the global batch (batch_per_gpu x GPUs) through every stage, stage s on rank s % GPUs."""
     count = cell.gpus * stages_per_rank(cell)
     sizes = stage_sizes(cell, count)
     stages = stage_flops(cell, sizes, cell.batch_per_gpu * cell.gpus)
-    return pipeline(cell, stages, [elements for elements, _ in rank_shares(cell, sizes, cell.gpus)])
+    return rank_flops(cell, stages, [elements for elements, _ in rank_shares(cell, sizes, cell.gpus)])
 
 
-def pipedream(cell: Cell) -> StepFlops:
-    """PipeDream: in its steady state a stage runs one mini-batch's forward and one's backward a step."""
+def pipedream_ranks(cell: Cell) -> list[StepFlops]:
+    """PipeDream, per rank: in its steady state a stage runs one mini-batch's forward and one's backward a step."""
     sizes = stage_sizes(cell, cell.gpus)
     stages = stage_flops(cell, sizes, cell.batch_per_gpu)
-    return pipeline(cell, stages, [elements for elements, _ in rank_shares(cell, sizes, cell.gpus)])
+    return rank_flops(cell, stages, [elements for elements, _ in rank_shares(cell, sizes, cell.gpus)])
 
 
 def process_flops(cell: Cell) -> StepFlops:
@@ -226,9 +230,16 @@ def step_flops(cell: Cell) -> StepFlops:
         return data_parallel(cell, dim0_sharded(cell.shape, cell.gpus // replicas))
     if framework == "megatron":
         return megatron(cell)
-    if framework in PIPELINES:
-        return PIPELINES[framework](cell)
+    if framework == "torchgpipe":
+        return torchgpipe(cell)
+    if framework in PIPELINE_RANKS:
+        return most_flops(pipeline_ranks(cell))
     raise KeyError(f"no FLOP model for {framework!r}")
 
 
-PIPELINES = {"torchgpipe": torchgpipe, "torch-pipeline": torch_pipeline, "pipedream": pipedream}
+PIPELINE_RANKS = {"torch-pipeline": torch_pipeline_ranks, "pipedream": pipedream_ranks}
+
+
+def pipeline_ranks(cell: Cell) -> list[StepFlops]:
+    """Each rank's FLOPs a step under torch's schedules or PipeDream."""
+    return PIPELINE_RANKS[cell.framework](cell)

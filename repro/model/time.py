@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 
 from repro.model import costs, pipelines
-from repro.model.flops import StepFlops, process_flops, step_flops
+from repro.model.flops import StepFlops, pipeline_ranks, process_flops, step_flops, torchgpipe_partitions
 from repro.model.platforms import Platform
 from repro.model.terms import Cell, even_balance
 from repro.shapes import GPT2Shape, parameters, tensor_count
@@ -231,22 +231,31 @@ def pipeline_plan(cell: Cell) -> tuple[str, int, int, int, list[int]]:
 
 
 def pipeline(cell: Cell, platform: Platform) -> StepTime:
-    """torchgpipe, torch's pipeline schedules, PipeDream: the busiest rank's compute on its stages'
-    layers over the step's micro-batches (repro.model.flops), stretched by the schedule's fill and drain
-    (pipelines.schedule_slots), its hand-overs on the critical path. torchgpipe drives every partition
-    from one process: on CPU stand-ins one host runs all of them, one after another, and hands nothing over."""
+    """torchgpipe, torch's pipeline schedules, PipeDream: the busiest rank's compute on its stages' layers
+    over the step's micro-batches (repro.model.flops), its hand-overs on the critical path, and the
+    schedule's fill and drain (pipelines.schedule_slots): every other rank's micro-batch slot once, as in
+    the makespan of a flow shop of identical jobs, sum of the stages' times plus (M - 1) times the
+    slowest's (docs/time.md, "Pipeline bubbles"). torchgpipe drives every partition from one process: on
+    CPU stand-ins one host runs all of them, one after another, and hands nothing over."""
     schedule, per_rank, micro, samples, sizes = pipeline_plan(cell)
     ranks = cell.gpus
     if cell.framework == "torchgpipe" and not platform.dispatch_overlaps:
         one = dataclasses.replace(cell, gpus=1, options={**cell.options, "balance": [sum(sizes)], "chunks_per_gpu": micro})
         return StepTime(compute_seconds(one, platform, process_flops(cell), all_layers(cell), micro), 0.0, 0.0)
-    busiest = max(range(ranks), key=lambda rank: sum(layer_ops(cell.shape, rank_layers(sizes, rank, ranks))[:2]))
-    moved = pipelines.rank_traffic(cell, sizes, busiest, ranks, micro, samples)
-    compute = compute_seconds(cell, platform, step_flops(cell), rank_layers(sizes, busiest, ranks), micro, moved)
+    computes = rank_computes(cell, platform, sizes, micro, samples)
+    compute = max(computes)
     comm = sum(collective_seconds(platform, kind, payload, 2, 2 * micro)
                for kind, payload in costs.predict(cell).comm.items() if kind in ("send", "all_reduce"))
-    slots = pipelines.schedule_slots(schedule, ranks, per_rank, micro)
-    return StepTime(compute, comm, comm, compute * (slots - micro) / micro)
+    fill = (pipelines.schedule_slots(schedule, ranks, per_rank, micro) - micro) / max(1, ranks - 1)
+    return StepTime(compute, comm, comm, fill * (sum(computes) - compute) / micro)
+
+
+def rank_computes(cell: Cell, platform: Platform, sizes: list[int], micro: int, samples: int) -> list[float]:
+    """Each pipeline rank's compute seconds a step: its stages' layers, FLOPs and moved bytes."""
+    ranks = cell.gpus
+    per_rank = torchgpipe_partitions(cell) if cell.framework == "torchgpipe" else pipeline_ranks(cell)
+    return [compute_seconds(cell, platform, per_rank[rank], rank_layers(sizes, rank, ranks), micro,
+                            pipelines.rank_traffic(cell, sizes, rank, ranks, micro, samples)) for rank in range(ranks)]
 
 
 def step_time(cell: Cell, platform: Platform) -> StepTime:
