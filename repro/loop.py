@@ -31,7 +31,8 @@ from repro import checkpoint, events, registry, seeding
 from repro.adapters.base import Adapter, Reduction, RunContext
 from repro.batches import EvenShard, GlobalBatches, batches
 from repro.metrics import (
-    WARMUP_STEPS, StepClock, Stopwatch, Timer, device_name, device_used_bytes, peak_memory_bytes, step_time_summary,
+    WARMUP_STEPS, StepClock, Stopwatch, Timer, device_name, device_used_bytes, framework_median, peak_memory_bytes,
+    step_time_summary,
 )
 from repro.rank import init_distributed, leave, pick_device, resolve_precision
 from repro.recipe import Recipe
@@ -257,6 +258,7 @@ class Trainer:
                     if at.step % recipe.train.log_every == 0:
                         self.pending.append((at.step, epoch, time.time(), loss))
                     clock.mark()
+                    harness.lap()
                     if self.done(at):
                         break
                     self.finish_losses()
@@ -272,7 +274,9 @@ class Trainer:
             at.epoch_s += timer.seconds
             at.elapsed_s += at.epoch_s
             samples = at.epoch_step * self.global_batch
-            step_s = {**step_time_summary(clock.seconds()[warm:]), "warmup": min(warm, at.epoch_step)}
+            timed = clock.seconds()[warm:]
+            step_s = {**step_time_summary(timed), "framework_median": framework_median(timed, harness.laps[warm:]),
+                      "warmup": min(warm, at.epoch_step)}
             ran = at.epoch_step - first_step
             loop_us = {"harness": harness.mean_us(ran), "counters": counters.mean_us(ran)}
             metrics = self.validate()

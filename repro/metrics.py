@@ -73,12 +73,22 @@ class Stopwatch:
     def __init__(self) -> None:
         self.ns = 0
         self.started = 0
+        self.laps: list[int] = []  # nanoseconds of each step's share (`lap`)
+        self.lapped = 0
 
     def start(self) -> None:
         self.started = time.perf_counter_ns()
 
     def stop(self) -> None:
         self.ns += time.perf_counter_ns() - self.started
+
+    def lap(self) -> None:
+        """End a step's share of the summed time (called while running, which it goes on doing): the
+        nanoseconds since the last lap, to subtract from the same step's clock time (`framework_median`)."""
+        self.stop()
+        self.laps.append(self.ns - self.lapped)
+        self.lapped = self.ns
+        self.start()
 
     def mean_us(self, steps: int) -> float | None:
         """Microseconds per step over `steps` steps (None without steps)."""
@@ -93,6 +103,14 @@ def step_time_summary(seconds: list[float]) -> dict[str, float | int | None]:
     deciles = statistics.quantiles(ordered, n=10, method="inclusive") if len(ordered) > 1 else ordered * 9
     return {"median": statistics.median(ordered), "p10": deciles[0], "p90": deciles[-1],
             "mean": statistics.fmean(ordered), "count": len(ordered)}
+
+
+def framework_median(seconds: list[float], harness_ns: list[int]) -> float | None:
+    """The median over steps of each step's time less the loop's own time in it: the framework's step, on
+    the same steps as the step times' median. Not the median less the loop's mean: the loop's first fetch of
+    an epoch (a DataLoader's workers starting) can take more than a whole step, and 20 steps do not dilute it."""
+    own = [step - ns / 1e9 for step, ns in zip(seconds, harness_ns)]
+    return statistics.median(own) if own else None
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:

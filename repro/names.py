@@ -56,7 +56,9 @@ VAL_LOSS = "val/loss"
 EPOCH_TIME = "time/epoch_s"
 ELAPSED = "time/elapsed_s"
 THROUGHPUT = "throughput/samples_per_s"
-STEP_TIME = "time/step_{}_s"  # {} is median, p10, p90 or mean of the epoch's step times (warm-up left out)
+# {} is median, p10, p90 or mean of the epoch's step times (warm-up left out), or framework_median: the median of
+# each step less the loop's own time in it (repro.metrics.framework_median)
+STEP_TIME = "time/step_{}_s"
 STEP_COUNT = "time/step_count"  # steps the step-time figures summarise
 HARNESS_TIME = "time/harness_us"  # the loop's own host time between the frameworks' steps, mean per step
 COUNTERS_TIME = "time/counters_us"  # the kit's counters inside the first steps, mean per step of the epoch

@@ -137,7 +137,8 @@ def event_metrics(event: dict[str, Any]) -> list[tuple[str, float, int]]:
         (names.THROUGHPUT, event["samples_per_s"], step),
     ]
     step_s = event.get("step_s") or {}  # the loop's step-time distribution (absent from LBANN's driver)
-    out += [(names.STEP_TIME.format(k), step_s[k], step) for k in ("median", "p10", "p90", "mean") if step_s.get(k) is not None]
+    out += [(names.STEP_TIME.format(k), step_s[k], step) for k in ("median", "p10", "p90", "mean", "framework_median")
+            if step_s.get(k) is not None]
     out += [(names.STEP_COUNT, step_s["count"], step)] if "count" in step_s else []
     loop_us = event.get("loop_us") or {}  # the loop's own time (absent from LBANN's driver)
     out += [(key, loop_us[name], step) for key, name in ((names.HARNESS_TIME, "harness"), (names.COUNTERS_TIME, "counters"))

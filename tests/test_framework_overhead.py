@@ -42,7 +42,7 @@ def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_
 
 def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms_and_the_loops_own_cost(monkeypatch):
     """Runs whose median step is 30 ms (DDP, PipeDream) and 45 ms (FSDP) at 1 process in the faster of two passes
-    (DDP's first and FSDP's second 60% slower), with 2,000 us of the loop's own time between steps: each framework
+    (DDP's first and FSDP's second 60% slower), 2,000 us of each the loop's own (framework_median): each framework
     step less the model's terms, less the loop's cost at that size, the least such residual of the one-process DDP
     and PipeDream runs there (they add nothing to a plain step), the faster pass kept. So DDP and PipeDream keep 0
     at both sizes and FSDP keeps 15 ms plus the difference of the model's terms."""
@@ -51,8 +51,8 @@ def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms_and_th
     assert len(picked) == 12  # three frameworks at both sizes, in both passes
     step = {"ddp": 0.030, "pipedream": 0.030, "fsdp": 0.045}
     slow = {("ddp", 0), ("fsdp", 1)}  # (framework, pass) whose runs were 60% slow
-    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], harness_us=2000.0,
-                              step_s={"median": [step[c.framework] * (1.6 if (c.framework, c.repeat) in slow else 1.0)]})
+    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={
+        "framework_median": [step[c.framework] * (1.6 if (c.framework, c.repeat) in slow else 1.0) - 0.002]})
                for c in picked]
     monkeypatch.setattr(collect, "collect", lambda *args: results)
     platform = cpu_profile()
@@ -78,7 +78,7 @@ def test_a_kept_profile_gets_its_frameworks_own_times_anew_against_the_model_of_
     trained = []
     monkeypatch.setattr(framework_overhead.parity, "train", lambda recipes, *args, **kwargs: trained.append(len(recipes)))
     cells = framework_overhead.calibration_cells("smoke", 2)[:2]
-    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"median": [0.030]}, harness_us=2000.0) for c in cells]
+    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"framework_median": [0.028]}) for c in cells]
     monkeypatch.setattr(collect, "collect", lambda *args: results)
     profile = framework_overhead.calibrated(f"sqlite:///{tmp_path}/mlflow.db", lambda line: None, 2)
     assert trained == [len(framework_overhead.calibration_cells("smoke", 2))]

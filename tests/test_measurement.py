@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from repro import batches, events, loop, names, tracking
 from repro.data.sets import dataset
-from repro.metrics import WARMUP_STEPS, Stopwatch, step_time_summary
+from repro.metrics import WARMUP_STEPS, Stopwatch, framework_median, step_time_summary
 from repro.recipe import load_file, recipe_path
 from repro.runfiles import EVENTS_FILE
 from host import free_port
@@ -136,6 +136,9 @@ def test_every_step_keeps_its_loss_and_the_epoch_reports_a_step_time_distributio
     assert loop_us["counters"] * STEPS >= counter.spent_ns / 1e3 > 0
     metrics = {key: value for key, value, _ in tracking.event_metrics(epoch)}
     assert (metrics[names.HARNESS_TIME], metrics[names.COUNTERS_TIME]) == (loop_us["harness"], loop_us["counters"])
+    # the framework's step: each timed step less the loop's own time in it, the median of those
+    assert 0 < step_s["framework_median"] < step_s["median"]
+    assert metrics[names.STEP_TIME.format("framework_median")] == step_s["framework_median"]
 
 
 @pytest.mark.ranks
@@ -183,6 +186,21 @@ def test_a_stopwatch_sums_its_stretches_per_step():
         watch.stop()
     assert 30_000 <= watch.mean_us(1) < 60_000 and watch.mean_us(3) == watch.mean_us(1) / 3
     assert watch.mean_us(0) is None
+
+
+@pytest.mark.units
+def test_a_stopwatchs_laps_are_each_steps_share_and_the_framework_step_their_median_difference():
+    watch = Stopwatch()
+    watch.start()
+    for pause in (0.01, 0.03):
+        time.sleep(pause)
+        watch.lap()
+    watch.stop()
+    assert [round(ns / 1e7) for ns in watch.laps] == [1, 3] and sum(watch.laps) <= watch.ns
+    # a step whose loop share holds a 470 ms stall (an epoch's first fetch): the median of the differences
+    # is the framework's 29 ms; the median step less the loop's mean would be negative
+    assert framework_median([0.030, 0.500, 0.031], [1_000_000, 470_000_000, 2_000_000]) == pytest.approx(0.029)
+    assert framework_median([], []) is None
 
 
 @pytest.mark.units

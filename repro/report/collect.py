@@ -36,8 +36,7 @@ class Result:
     settings: dict[str, str] = field(default_factory=dict)  # what the framework trains with (report.settings)
     memory_method: str = ""
     resumed_from_step: str = ""  # set when the run was stopped and continued from a checkpoint
-    step_s: dict[str, list[float]] = field(default_factory=dict)  # median, p10, p90 -> per-epoch values
-    harness_us: float | None = None  # the loop's own time between the framework's steps, mean per step (last epoch)
+    step_s: dict[str, list[float]] = field(default_factory=dict)  # median, p10, p90, framework_median -> per-epoch values
     seeds: list[int] = field(default_factory=list)  # master seed of each finished repeat
     repeat_epoch_s: list[float] = field(default_factory=list)  # each finished repeat's median epoch time
 
@@ -53,15 +52,15 @@ class Result:
         return statistics.median(self.epoch_s) if self.epoch_s else None
 
     def step_time(self, key: str = "median") -> float | None:
-        """The median over epochs of the epochs' step-time `key` (median, p10 or p90)."""
+        """The median over epochs of the epochs' step-time `key` (median, p10, p90 or framework_median)."""
         values = self.step_s.get(key)
         return statistics.median(values) if values else None
 
     def framework_step_time(self) -> float | None:
-        """The median step time less the loop's own time between steps: the framework's step, what the
-        step-time model predicts (repro.model.time)."""
-        median = self.step_time()
-        return None if median is None else median - (self.harness_us or 0.0) / 1e6
+        """The framework's step, what the step-time model predicts (repro.model.time): the median of each
+        step less the loop's own time in it (repro.metrics.framework_median; None for runs logged before
+        2026-12-06, which kept the loop's mean alone)."""
+        return self.step_time("framework_median")
 
     def epoch_interval(self) -> tuple[float, float, float] | None:
         """(low, high, coverage) of the median epoch time over the repeats (None with fewer than 2)."""
@@ -201,7 +200,7 @@ def collect(cells: list[Cell], uri: str, experiment: str) -> list[Result]:
             settings=run_settings.from_params(run.data.params, cell.recipe),
             memory_method=run.data.tags.get(names.MEMORY_METHOD, ""),
             resumed_from_step=run.data.tags.get(names.RESUMED_FROM_STEP, ""),
-            step_s={k: history(mlflow_client, run_id, names.STEP_TIME.format(k)) for k in ("median", "p10", "p90")},
-            harness_us=run.data.metrics.get(names.HARNESS_TIME),
+            step_s={k: history(mlflow_client, run_id, names.STEP_TIME.format(k))
+                    for k in ("median", "p10", "p90", "framework_median")},
         ))
     return fold_repeats(results)
