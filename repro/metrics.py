@@ -107,8 +107,8 @@ def step_time_summary(seconds: list[float]) -> dict[str, float | int | None]:
 
 def framework_median(seconds: list[float], harness_ns: list[int]) -> float | None:
     """The median over steps of each step's time less the loop's own time in it: the framework's step, on
-    the same steps as the step times' median. Not the median less the loop's mean: the loop's first fetch of
-    an epoch (a DataLoader's workers starting) can take more than a whole step, and 20 steps do not dilute it."""
+    the same steps as the step times' median. Not the median less the loop's mean: one stall of the loop can
+    take more than a whole step (600 ms in one 20-step run: docs/measurement.md), and 20 steps do not dilute it."""
     own = [step - ns / 1e9 for step, ns in zip(seconds, harness_ns)]
     return statistics.median(own) if own else None
 

@@ -197,7 +197,7 @@ def test_a_stopwatchs_laps_are_each_steps_share_and_the_framework_step_their_med
         watch.lap()
     watch.stop()
     assert [round(ns / 1e7) for ns in watch.laps] == [1, 3] and sum(watch.laps) <= watch.ns
-    # a step whose loop share holds a 470 ms stall (an epoch's first fetch): the median of the differences
+    # a step whose loop share holds a 470 ms stall: the median of the differences
     # is the framework's 29 ms; the median step less the loop's mean would be negative
     assert framework_median([0.030, 0.500, 0.031], [1_000_000, 470_000_000, 2_000_000]) == pytest.approx(0.029)
     assert framework_median([], []) is None

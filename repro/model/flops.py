@@ -186,11 +186,6 @@ def torchgpipe_partitions(cell: Cell) -> list[StepFlops]:
     return [rank_flops(cell, [stage], [held])[0] for stage, held in zip(stages, elements)]
 
 
-def torchgpipe(cell: Cell) -> StepFlops:
-    """torchgpipe's busiest partition (GPU)."""
-    return most_flops(torchgpipe_partitions(cell))
-
-
 def torch_pipeline_ranks(cell: Cell) -> list[StepFlops]:
     """torch's schedules, per rank: the global batch (batch_per_gpu x GPUs) through every stage, stage s on rank s % GPUs."""
     count = cell.gpus * stages_per_rank(cell)
@@ -230,16 +225,14 @@ def step_flops(cell: Cell) -> StepFlops:
         return data_parallel(cell, dim0_sharded(cell.shape, cell.gpus // replicas))
     if framework == "megatron":
         return megatron(cell)
-    if framework == "torchgpipe":
-        return torchgpipe(cell)
     if framework in PIPELINE_RANKS:
         return most_flops(pipeline_ranks(cell))
     raise KeyError(f"no FLOP model for {framework!r}")
 
 
-PIPELINE_RANKS = {"torch-pipeline": torch_pipeline_ranks, "pipedream": pipedream_ranks}
+PIPELINE_RANKS = {"torchgpipe": torchgpipe_partitions, "torch-pipeline": torch_pipeline_ranks, "pipedream": pipedream_ranks}
 
 
 def pipeline_ranks(cell: Cell) -> list[StepFlops]:
-    """Each rank's FLOPs a step under torch's schedules or PipeDream."""
+    """Each rank's FLOPs a step under torchgpipe (a partition a GPU), torch's schedules or PipeDream."""
     return PIPELINE_RANKS[cell.framework](cell)

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 
 from repro.model import costs, pipelines
-from repro.model.flops import StepFlops, pipeline_ranks, process_flops, step_flops, torchgpipe_partitions
+from repro.model.flops import StepFlops, pipeline_ranks, process_flops, step_flops
 from repro.model.platforms import Platform
 from repro.model.terms import Cell, even_balance
 from repro.shapes import GPT2Shape, parameters, tensor_count
@@ -253,7 +253,7 @@ def pipeline(cell: Cell, platform: Platform) -> StepTime:
 def rank_computes(cell: Cell, platform: Platform, sizes: list[int], micro: int, samples: int) -> list[float]:
     """Each pipeline rank's compute seconds a step: its stages' layers, FLOPs and moved bytes."""
     ranks = cell.gpus
-    per_rank = torchgpipe_partitions(cell) if cell.framework == "torchgpipe" else pipeline_ranks(cell)
+    per_rank = pipeline_ranks(cell)
     return [compute_seconds(cell, platform, per_rank[rank], rank_layers(sizes, rank, ranks), micro,
                             pipelines.rank_traffic(cell, sizes, rank, ranks, micro, samples)) for rank in range(ranks)]
 
