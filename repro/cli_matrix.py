@@ -86,15 +86,20 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
     # this machine's profile for the step-time check: the one kept beside the store, or measured now, once, with
     # the frameworks' own times for the whole matrix (not for --reports-only, which starts no process: without a
     # kept profile, step times go unchecked)
-    platform = None
-    if scale == "smoke" and not rows and not reports_only:
+    platform, retimed = None, None
+    if scale == "smoke" and not rows:
         from repro import framework_overhead
         from repro.hardware import cpu_cores
 
-        platform = framework_overhead.calibrated(uri, lambda line: click.echo(line, err=True), cpu_cores())
+        if reports_only:
+            platform = machine_profile(uri, measure=False)
+        else:
+            platform = framework_overhead.calibrated(uri, lambda line: click.echo(line, err=True), cpu_cores())
+        retimed = framework_overhead.retimed(framework_overhead.calibration_cells(scale, cpu_cores()), uri)
     elif scale == "smoke":
         platform = machine_profile(uri, measure=not reports_only)
-    for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings, platform=platform):
+    for path in write_reports(cells, uri, experiment, reports, scale, with_settings=with_settings, platform=platform,
+                              retimed=retimed):
         click.echo(str(path))
 
 
@@ -340,9 +345,10 @@ def calibrate(tracking_uri: str | None, again: bool, machine_only: bool) -> None
     collective's latency and bandwidth between 2 gloo processes (repro/calibrate.py), one thread a
     process as the CPU stand-ins train; under a minute. Then each framework's own time a step beyond
     the model's terms: the matrix's cells of no more processes than cores, 20 steps each at two model
-    sizes that the check does not use, twice, the faster kept (repro/framework_overhead.py; about 7
-    minutes on 2 cores, recorded in MLflow as experiment calibration-smoke). Kept beside the MLflow
-    store, one file per CPU model, and reused; `repro predict --platform FILE` reads it.
+    sizes that the check does not use, twice, the faster kept, and between them at the recipe's own
+    size, which `repro table2`'s check reads beside the matrix's run (repro/framework_overhead.py;
+    about 10 minutes on 2 cores, recorded in MLflow as experiment calibration-smoke). Kept beside the
+    MLflow store, one file per CPU model, and reused; `repro predict --platform FILE` reads it.
 
     \b
     Examples:
@@ -367,6 +373,8 @@ def calibrate(tracking_uri: str | None, again: bool, machine_only: bool) -> None
                ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in platform.dispatch_s.items()))
     for kind, link in platform.collectives["intra"].items():
         click.echo(f"  {kind}: {link.latency_s * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s on the wire")
+    if platform.frameworks:
+        click.echo("  each framework's own time a step at its two sizes, at: model state bytes a rank (ZeRO-1/2: "
+                   "bucket flushes a step; repro/model/time.py, own_time_scale)")
     for key, points in platform.frameworks.items():
-        click.echo(f"  {key}: own time " + ", ".join(f"{seconds * 1e3:.1f} ms at {state / 2**20:.1f} MiB of model state"
-                                                  for state, seconds in points))
+        click.echo(f"  {key}: " + ", ".join(f"{seconds * 1e3:.1f} ms at {where:,.0f}" for where, seconds in points))

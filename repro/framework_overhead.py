@@ -5,13 +5,16 @@ Python around each step and their copies into flat buffers, FSDP2's per-unit hoo
 dispatch, gloo's reductions on cores that backward also uses (docs/time.md, "A framework's own time").
 
 For every cell of the matrix that the step-time check holds (no more processes than cores), the same
-recipe runs STEPS steps at each of two model sizes that the check never uses: the workload's negligible
-size (repro.calibrate.TINY: the same layers and tensors, almost no FLOPs) and one larger than the smoke
-recipe's (CALIBRATION), once in each of PASSES passes over all of them. Each size's measured median step less
+recipe runs STEPS steps at each of two model sizes that the check never uses, one either side of the
+smoke recipe's (SIZES: the same layers and tensors), once in each of PASSES passes over all of them; between the two, at the recipe's
+own size, a run that the check reads beside the matrix's own (`retimed`), so that a cell is measured at
+the least of its timings, as its own time is, and a slow spell of the machine during one of them does
+not decide its row (docs/time.md, "Checked where timing is testable"). Each size's measured median step less
 the model's terms, the least over the passes, is the framework's own time there, less the loop's own cost at
 that size, which no framework adds: the least such residual of the one-process runs of the frameworks that add
 nothing to a plain step (PLAIN). The profile keeps both sizes' figures (Platform.frameworks, by
-repro.model.time.framework_key) and the model reads them on the line through them at the cell's model state.
+repro.model.time.framework_key) and the model reads them on the line through them at the cell's model state
+(at its bucket flushes for ZeRO-1/2, whose own time follows them: repro.model.time.own_time_scale).
 So the smoke cells that the check compares are predicted between two measured sizes, never fitted to themselves.
 The runs are recorded in MLflow (experiment EXPERIMENT) and reused by recipe fingerprint, with warm ranks, like
 the matrix's.
@@ -31,13 +34,15 @@ from repro.model.terms import Cell as ModelCell
 
 EXPERIMENT = "calibration-smoke"
 STEPS = 20  # 5 warm-up steps left out, 15 timed: a median that one slow step does not move
-# the sizes each workload's frameworks are timed at: negligible FLOPs, and larger than the smoke recipe's
-# (GPT-2 d_model 64, VGG-16 width_div 8), neither checked
-SIZES = {workload: [calibrate.TINY[workload], calibrate.CALIBRATION[workload][1]] for workload in calibrate.TINY}
+# the sizes each workload's frameworks are timed at, either side of the smoke recipe's (GPT-2 d_model 64, VGG-16
+# width_div 8), neither checked: the workloads' own rates' (GPT-2 d_model 32 and 128, VGG-16 width_div 16 and 4).
+# Not the negligible size (calibrate.TINY): there a framework's residual holds what the terms miss of a tiny step
+# (3-8 ms on a 2-core AMD EPYC, times torchgpipe's micro-batches), which the smoke size does not show, and the
+# line from it missed VGG-16's torchgpipe by 30% (docs/time.md, "Checked where timing is testable")
+SIZES = {workload: calibrate.CALIBRATION[workload][:2] for workload in calibrate.TINY}
+AS_CHECKED = "recipe's size"  # the row tag of a run at the recipe's own size: the check's, not an own time's
 # frameworks whose one-process step is a plain PyTorch step (DDP's reducer over one rank, PipeDream's and torch's
-# schedules with one stage): what their measured step holds beyond the model's terms is the loop's, not theirs.
-# At the negligible size that is 3-8 ms a step on a 2-core AMD EPYC, which the smoke size does not show
-# (docs/time.md, "Checked where timing is testable")
+# schedules with one stage): what their measured step holds beyond the model's terms is the loop's, not theirs
 PLAIN = ("ddp", "pipedream", "torch-pipeline")
 # every calibration run is made this many times, a pass over all of them apart (about 3.5 min on 2 cores), and the
 # least residual kept: one in-job run of 20 steps was 60% slow throughout where its reruns agreed within 10%
@@ -46,40 +51,61 @@ PASSES = 2
 
 
 def calibration_cells(scale: str, cores: int) -> list[Cell]:
-    """The matrix's cells of at most `cores` processes at `scale`, each at both SIZES, STEPS steps long
-    (one of each recipe: megatron-intra and megatron-data at 1 GPU share theirs), in PASSES passes: each
-    pass's cell a repeat of the first's with its own seed (so its own run) and its own row (so the reports
-    keep every pass's result: repro.report.collect folds the repeats of a row), the passes one after another."""
+    """The matrix's cells of at most `cores` processes at `scale`, STEPS steps long at the smaller of SIZES, the
+    recipe's own size and the larger, one after another (one of each recipe: megatron-intra and megatron-data
+    at 1 GPU share theirs), in PASSES passes: each pass's cell a repeat of the first's with its own seed (so its
+    own run) and its own row (so the reports keep every pass's result: repro.report.collect folds the repeats of
+    a row), the passes one after another."""
     matrix = load_matrix()
     plan = matrix.scales[scale]
     cells, seen = [], set()
     for workload in plan.workloads:
+        small, large = SIZES[workload]
         for row in matrix.rows:
             for gpus in plan.gpus:
-                for size in SIZES[workload]:
+                for size in (small, [], large):
                     cell = cell_for(workload, row, gpus, scale, plan.gpus_per_node, [*size, f"train.max_steps={STEPS}"],
                                     plan.tp_per_node)
                     if not cell.recipe or registry.plan_class(cell.framework).processes(cell.recipe) > cores:
                         continue
                     if cell.recipe.fingerprint() not in seen:  # its own row: the reports fold cells of one row as repeats
                         seen.add(cell.recipe.fingerprint())
-                        cells.append(dataclasses.replace(cell, row=f"{row.name} [{' '.join(size)}]"))
+                        cells.append(dataclasses.replace(cell, row=f"{row.name} [{' '.join(size) or AS_CHECKED}]"))
     passes = [repeated(cell, PASSES) for cell in cells]
     return [dataclasses.replace(repeats[p], row=f"{repeats[p].row} pass {p + 1}")  # a row each: never folded as repeats
             for p in range(PASSES) for repeats in passes]
 
 
+def at_checked_size(cell: Cell) -> bool:
+    """Whether a calibration run is at its recipe's own size (the check's), not at one of SIZES."""
+    return f"[{AS_CHECKED}]" in cell.row
+
+
+def retimed(cells: list[Cell], uri: str) -> dict[tuple[str, object], list[float]]:
+    """(time.framework_key, model shape) -> the framework step times of the finished calibration runs among
+    `cells` at their recipe's own size: what the check reads beside a matrix cell of that key and shape."""
+    from repro.report.collect import collect
+
+    steps: dict[tuple[str, object], list[float]] = {}
+    for result in collect([cell for cell in cells if at_checked_size(cell)], uri, EXPERIMENT):
+        measured = result.framework_step_time() if result.ok else None
+        if measured:
+            cell = costs.cell_of(result.cell.recipe, result.facts)
+            steps.setdefault((time.framework_key(cell), cell.shape), []).append(measured)
+    return steps
+
+
 def own_times(cells: list[Cell], uri: str, platform: Platform) -> dict[str, list[list[float]]]:
-    """framework_key -> [[model state bytes, seconds], ...]: at each size, the least over the passes of a
-    finished run's measured framework step less the model's terms on `platform`, and less the loop's own cost
-    at its size (`loop_seconds`)."""
-    residuals = measured_residuals(cells, uri, platform)
+    """framework_key -> [[where, seconds], ...] (time.own_time_scale): at each of SIZES (the runs at the recipe's own size
+    are the check's), the least over the passes of a finished run's measured framework step less the model's
+    terms on `platform`, and less the loop's own cost at its size (`loop_seconds`)."""
+    residuals = measured_residuals([cell for cell in cells if not at_checked_size(cell)], uri, platform)
     loop = loop_seconds(residuals)
     table: dict[str, dict[float, float]] = {}
-    for cell, state, residual in residuals:
+    for cell, where, residual in residuals:
         points = table.setdefault(time.framework_key(cell), {})
-        points[state] = min(residual - loop.get(cell.shape, 0.0), points.get(state, float("inf")))
-    return {key: sorted([state, own] for state, own in points.items()) for key, points in table.items()}
+        points[where] = min(residual - loop.get(cell.shape, 0.0), points.get(where, float("inf")))
+    return {key: sorted([where, own] for where, own in points.items()) for key, points in table.items()}
 
 
 def loop_seconds(residuals: list[tuple[ModelCell, float, float]]) -> dict[object, float]:
@@ -93,8 +119,9 @@ def loop_seconds(residuals: list[tuple[ModelCell, float, float]]) -> dict[object
 
 
 def measured_residuals(cells: list[Cell], uri: str, platform: Platform) -> list[tuple[ModelCell, float, float]]:
-    """(the model's cell of the run, its model state bytes, its measured framework step less the model's
-    terms on `platform`) for every finished CPU run of a framework the step-time model covers."""
+    """(the model's cell of the run, where its own time is read (time.own_time_scale), its measured framework
+    step less the model's terms on `platform`) for every finished CPU run of a framework the step-time model
+    covers."""
     from repro.report.collect import collect
 
     residuals = []
@@ -107,7 +134,7 @@ def measured_residuals(cells: list[Cell], uri: str, platform: Platform) -> list[
             modelled = time.model_terms(cell, platform).total_s
         except KeyError:  # a framework without a step-time model (LBANN)
             continue
-        residuals.append((cell, float(costs.predict(cell).model_state), measured - modelled))
+        residuals.append((cell, time.own_time_scale(cell), measured - modelled))
     return residuals
 
 
@@ -118,7 +145,8 @@ def calibrated(uri: str, out: Callable[[str], None], cores: int, again: bool = F
     against the terms of the model that measured them."""
     platform = calibrate.calibrated(calibrate.store_folder(uri), again)
     cells = calibration_cells("smoke", cores)
-    out(f"calibrate: each framework's own time, {len(cells)} runs of {STEPS} steps at two sizes, in {PASSES} passes (repro/framework_overhead.py)")
+    out(f"calibrate: each framework's own time, {len(cells)} runs of {STEPS} steps at two sizes and the recipe's, "
+        f"in {PASSES} passes (repro/framework_overhead.py)")
     parity.train([cell.recipe for cell in cells], uri, EXPERIMENT, out, label="calibrate")
     measured = dataclasses.replace(platform, frameworks=own_times(cells, uri, platform))
     platforms.dump(measured, Path(platform.path))

@@ -24,7 +24,7 @@ from repro.activation import Counter as ActivationCounter
 from repro.adapters.recompute import checkpoint_blocks
 from repro.flops import FlopCounter
 from repro.hardware import cpu_computes_fp16
-from repro.model import costs, flops
+from repro.model import costs, flops, time
 from repro.adapters.torch_pipeline import stage_starts
 from repro.model.predict import Fit
 from repro.model.terms import Cell
@@ -270,6 +270,17 @@ def test_measured_equals_the_model_within_its_bounds(shared_repro, checked, name
     # group's batch; the pipelines: a stage's in flight), communication and FLOPs by phase (forward,
     # backward, recompute: exact), every one counted and modelled
     assert [row["within"] for row in rows] == [True] * 6, rows
+
+
+@pytest.mark.ranks
+def test_zero_issues_the_gradient_all_reduces_the_time_model_counts(shared_repro, checked):
+    """The step-time model charges ZeRO-1/2 one call a flush of DeepSpeed's bucket (repro.model.time.zero_flushes)
+    and the gradient norm's: what the counter counted, at 2 and 4 ranks, a smaller bucket, stage 1 and
+    micro-batches (stage 2 reduces in each pass's backward)."""
+    for name in ("zero-2", "zero-4", "zero-4-bucket", "zero1-2", "zero-2-micro", "zero1-2-micro"):
+        _, measured, _ = check(shared_repro, checked, name)
+        cell = costs.cell_of(cell_recipe(name))
+        assert measured["comm_calls"]["all_reduce"] == time.zero_flushes(cell) + 1, name
 
 
 @pytest.mark.ranks

@@ -8,17 +8,20 @@ import dataclasses
 import pytest
 
 from repro import calibrate, framework_overhead, registry
+from repro.cell import Cell
+from repro.matrix import expand, load_matrix
 from repro.model import costs, platforms, time
-from repro.report import collect
+from repro.report import collect, model_check
 from test_time import cpu_profile
 
 pytestmark = pytest.mark.units
 
 
-def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_not_use():
-    """At 2 cores: every matrix cell of 1 or 2 processes (torchgpipe's 4 GPUs are one), once per recipe, at the
-    negligible size and the larger one, 20 steps each, each size its own row so the reports do not fold them;
-    all of them in each of 2 passes, the second pass's runs their own (another seed), in the first's order."""
+def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_not_use_and_at_their_own():
+    """At 2 cores: every matrix cell of 1 or 2 processes (torchgpipe's 4 GPUs are one), once per recipe, at a
+    size below the recipe's, the recipe's own and one above, one after another, 20 steps each, each size its own
+    row so the reports do not fold them; all of them in each of 2 passes, the second pass's runs their own
+    (another seed), in the first's order. The runs at the recipe's own size are the check's alone."""
     cells = framework_overhead.calibration_cells("smoke", 2)
     assert framework_overhead.PASSES == 2
     first, second = cells[:len(cells) // 2], cells[len(cells) // 2:]
@@ -30,12 +33,15 @@ def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_
     assert all(registry.plan_class(c.framework).processes(c.recipe) <= 2 for c in cells)
     assert len({c.recipe.fingerprint() for c in cells}) == len(cells) == len({c.label for c in cells})
     assert all(c.recipe.train.max_steps == framework_overhead.STEPS for c in cells)
-    sizes = {(c.workload, c.recipe.model.d_model if c.workload == "gpt2" else c.recipe.model.width_div) for c in cells}
-    assert sizes == {("gpt2", 8), ("gpt2", 128), ("vgg16", 64), ("vgg16", 4)}  # smoke: d_model 64, width_div 8
+    size = {c.label: c.recipe.model.d_model if c.workload == "gpt2" else c.recipe.model.width_div for c in cells}
+    assert [size[c.label] for c in first[:3]] == [32, 64, 128]  # the first cell, GPT-2 DDP at 1 process
+    assert {(c.workload, size[c.label]) for c in cells if framework_overhead.at_checked_size(c)} == {("gpt2", 64), ("vgg16", 8)}
+    assert {(c.workload, size[c.label]) for c in cells if not framework_overhead.at_checked_size(c)} == {
+        ("gpt2", 32), ("gpt2", 128), ("vgg16", 16), ("vgg16", 4)}
     keys = {}
     for cell in cells:
         keys.setdefault(time.framework_key(costs.cell_of(cell.recipe)), []).append(cell)
-    assert all(len(runs) == 4 for runs in keys.values())  # both sizes of each cell, in both passes, share its key
+    assert all(len(runs) == 6 for runs in keys.values())  # the three sizes of each cell, in both passes, share its key
     assert {(c.workload, c.framework, c.gpus) for c in cells} >= {("gpt2", "torchgpipe", 4), ("vgg16", "fsdp", 2)}
     assert not any(c.gpus == 4 and c.framework != "torchgpipe" for c in cells)
 
@@ -48,20 +54,22 @@ def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms_and_th
     at both sizes and FSDP keeps 15 ms plus the difference of the model's terms."""
     cells = framework_overhead.calibration_cells("smoke", 2)
     picked = [c for c in cells if c.workload == "gpt2" and c.gpus == 1 and c.framework in ("ddp", "pipedream", "fsdp")]
-    assert len(picked) == 12  # three frameworks at both sizes, in both passes
+    assert len(picked) == 18  # three frameworks at three sizes, in both passes
     step = {"ddp": 0.030, "pipedream": 0.030, "fsdp": 0.045}
     slow = {("ddp", 0), ("fsdp", 1)}  # (framework, pass) whose runs were 60% slow
     results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={
         "framework_median": [step[c.framework] * (1.6 if (c.framework, c.repeat) in slow else 1.0) - 0.002]})
                for c in picked]
-    monkeypatch.setattr(collect, "collect", lambda *args: results)
+    # collect reads the runs of the cells it is given: the runs at the recipe's size are never asked for
+    monkeypatch.setattr(collect, "collect", lambda cells, *args: [r for r in results if r.cell in cells])
     platform = cpu_profile()
     table = framework_overhead.own_times(picked, "sqlite:///unused.db", platform)
-    model = {(c.framework, costs.cell_of(c.recipe).shape): costs.cell_of(c.recipe) for c in picked}
+    model = {(c.framework, costs.cell_of(c.recipe).shape): costs.cell_of(c.recipe) for c in picked
+             if not framework_overhead.at_checked_size(c)}
     terms = {key: time.model_terms(m, platform).total_s for key, m in model.items()}
     loop = {size: min(0.028 - terms[(f, s)] for (f, s) in terms if s == size and f != "fsdp") for _, size in terms}
     for (framework, size), m in model.items():
-        own = dict(table[time.framework_key(m)])[float(costs.predict(m).model_state)]
+        own = dict(table[time.framework_key(m)])[time.own_time_scale(m)]
         assert own == pytest.approx(step[framework] - 0.002 - terms[(framework, size)] - loop[size], abs=1e-12)
     assert len(table) == 3 and all(len(points) == 2 for points in table.values())
     fsdp = [dict(table[time.framework_key(m)]) for (f, _), m in model.items() if f == "fsdp"][0]
@@ -84,3 +92,35 @@ def test_a_kept_profile_gets_its_frameworks_own_times_anew_against_the_model_of_
     assert trained == [len(framework_overhead.calibration_cells("smoke", 2))]
     assert list(profile.frameworks) == [time.framework_key(costs.cell_of(cells[0].recipe))]
     assert platforms.load(path).frameworks == profile.frameworks
+
+
+def test_the_check_reads_a_cell_at_the_least_of_its_runs_and_its_retimings_at_the_recipes_size(monkeypatch):
+    """The calibration's runs at the recipe's own size, keyed by the framework's settings and the model's shape,
+    are read beside the matrix's run of the same cell: the row's measured step is the least (22 ms, not the
+    matrix run's 30), its timings all three; a cell of other settings (2 processes) reads none of them."""
+    cells = framework_overhead.calibration_cells("smoke", 2)
+    again = [c for c in cells if framework_overhead.at_checked_size(c) and c.workload == "gpt2" and c.framework == "ddp" and c.gpus == 1]
+    assert [c.repeat for c in again] == [0, 1]
+    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"framework_median": [t]}) for c, t in zip(again, (0.025, 0.022))]
+    monkeypatch.setattr(collect, "collect", lambda cells, *args: [r for r in results if r.cell in cells])
+    retimed = framework_overhead.retimed(cells, "sqlite:///unused.db")
+    model = costs.cell_of(again[0].recipe)
+    assert retimed == {(time.framework_key(model), model.shape): [0.025, 0.022]}
+    platform = cpu_profile()
+    matrix = cell_for_matrix("gpt2", "ddp", 1)
+    row = step_time_row(collect.Result(matrix, "FINISHED", epoch_s=[1.0], step_s={"framework_median": [0.030]}), platform, retimed)
+    assert (row["measured"], row["timings"]) == (0.022, [0.030, 0.025, 0.022])
+    assert row["error"] == pytest.approx(abs(0.022 - row["modelled"]) / 0.022)
+    other = step_time_row(collect.Result(cell_for_matrix("gpt2", "ddp", 2), "FINISHED", epoch_s=[1.0],
+                                         step_s={"framework_median": [0.030]}), platform, retimed)
+    assert (other["measured"], other["timings"]) == (0.030, [0.030])
+
+
+def cell_for_matrix(workload: str, row: str, gpus: int) -> Cell:
+    """The main job's cell of `row` at `gpus` on the smoke scale."""
+    return next(c for c in expand(load_matrix(), "smoke") if (c.workload, c.row, c.gpus) == (workload, row, gpus))
+
+
+def step_time_row(result: collect.Result, platform: platforms.Platform, retimed: dict) -> dict:
+    checked = model_check.check(result, platform, 2, retimed)
+    return next(row for row in checked["rows"] if row["quantity"] == "step_time")

@@ -23,6 +23,7 @@ from repro.model.flops import step_flops
 from repro.model.predict import recipe_cell, row_cell
 from repro.report import model_check
 from repro.schema import RecipeError
+from repro.shapes import parameters
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.units
@@ -152,6 +153,25 @@ def test_fsdp_pays_a_latency_for_every_collective_it_issues_as_counted():
     assert step.comm_s == pytest.approx((10 + 214) * 1e-4 + wire / 1e9)
     grad_op = dataclasses.replace(gpt2, options={**gpt2.options, "sharding": "grad-op"})
     assert time.sharded_calls(grad_op) == (5, 5, 209)
+
+
+def test_zero_reduces_its_gradients_as_deepspeed_packs_them_each_flush_a_call():
+    """ZeRO-2 on GPT-2 smoke's 20,000-element bucket flushes when the next gradient (backward's order) would
+    overflow it: 1, 4, 14 and 27 all-reduces a pass at d_model 8, 32, 64 and 128 (at 128 tensors outgrow the
+    bucket and go alone, one of them cut in two at the ranks' partition edge), every gradient element once;
+    stage 1 packs the parameters' own order. Each flush pays the link's latency, as do the gradient norm's
+    all-reduce and the partitions' all-gather (tests/test_costmodel.py holds the counts to DeepSpeed's)."""
+    cell = recipe_cell("gpt2", "zero", 2, "smoke")
+    sized = {d: dataclasses.replace(cell, shape=dataclasses.replace(cell.shape, d_model=d)) for d in (8, 32, 64, 128)}
+    assert [len(time.zero_reductions(c)) for c in sized.values()] == [1, 4, 14, 27]
+    assert all(sum(time.zero_reductions(c)) == parameters(c.shape) for c in sized.values())
+    assert time.partition_pieces(start=90, numel=30, partition=100) == [10, 20]
+    comm = costs.predict(cell).comm
+    wire = costs.wire_bytes("all_reduce", comm["all_reduce"], 2) + costs.wire_bytes("all_gather", comm["all_gather"], 2)
+    assert time.step_time(cell, cpu_profile()).comm_s == pytest.approx((14 + 2) * 1e-4 + wire / 1e9)
+    stage1 = dataclasses.replace(cell, options={**cell.options, "stage": 1})
+    micro = dataclasses.replace(cell, micro_batch=cell.batch_per_gpu // 2)
+    assert (time.zero_flushes(stage1), time.zero_flushes(micro)) == (len(time.zero_reductions(stage1)), 2 * 14)
 
 
 def test_compute_is_flops_at_the_rate_plus_memory_plus_dispatch_on_a_cpu():
@@ -341,27 +361,33 @@ def test_a_cells_check_gains_a_step_time_row_only_where_its_processes_fit_the_co
 
 
 def test_a_frameworks_own_time_is_read_on_the_line_through_its_two_measured_sizes_for_its_settings_alone():
-    """Platform.frameworks (repro.framework_overhead): at 1 and 3 MB of model state 2 ms and 6 ms, so 4 ms at the
-    smoke cell's 2 MB and 8 ms at 4 MB; added to the model's terms for the cell whose framework, process count and
-    settings the key names, and to no other (ZeRO-3 is another key than ZeRO-2)."""
+    """Platform.frameworks (repro.framework_overhead): ZeRO-2's own time measured 2 ms at 4 bucket flushes a step
+    and 6 ms at 24, so 4 ms at the smoke cell's 14 and 8 ms at 34 (its own time follows its flushes); added to
+    the model's terms for the cell whose framework, process count and settings the key names, and to no other
+    (ZeRO-3 is another key than ZeRO-2). DDP's, and ZeRO's at one process, are read at the model state a rank."""
     cell = recipe_cell("gpt2", "zero", 2, "smoke")
-    key, state = time.framework_key(cell), costs.predict(cell).model_state
-    measured = cpu_profile(frameworks={key: [[state - 1e6, 0.002], [state + 1e6, 0.006]]})
-    assert measured.framework_seconds(key, state) == pytest.approx(0.004)
-    assert measured.framework_seconds(key, state + 2e6) == pytest.approx(0.008)
-    assert measured.framework_seconds("gpt2 zero 4g 0000000000", state) == 0.0
+    key, where = time.framework_key(cell), time.own_time_scale(cell)
+    assert where == time.zero_flushes(cell) == 14
+    measured = cpu_profile(frameworks={key: [[4, 0.002], [24, 0.006]]})
+    assert measured.framework_seconds(key, where) == pytest.approx(0.004)
+    assert measured.framework_seconds(key, where + 20) == pytest.approx(0.008)
+    assert measured.framework_seconds("gpt2 zero 4g 0000000000", where) == 0.0
     terms, step = time.model_terms(cell, measured), time.step_time(cell, measured)
     assert step.framework_s == pytest.approx(0.004) and step.total_s == pytest.approx(terms.total_s + 0.004)
     assert time.step_time(cell, cpu_profile()) == terms  # a profile without frameworks: the terms alone
     stage3 = dataclasses.replace(cell, options={**cell.options, "stage": 3})
     assert time.framework_key(stage3) != key and time.step_time(stage3, measured).framework_s == 0.0
+    assert time.own_time_scale(stage3) == costs.predict(stage3).model_state
     smaller = recipe_cell("gpt2", "zero", 2, "smoke", ["model.d_model=32", "model.n_head=2"])
     assert time.framework_key(smaller) == key  # the size is not in the key: it is where the line is read
+    one = recipe_cell("gpt2", "zero", 1, "smoke")  # no peer to wait for: DeepSpeed's host work, by model state
+    ddp = recipe_cell("gpt2", "ddp", 2, "smoke")
+    assert all(time.own_time_scale(c) == costs.predict(c).model_state for c in (one, ddp))
 
 
 def test_a_profile_refuses_a_malformed_frameworks_entry_naming_it(tmp_path):
     raw = yaml.safe_load((REPO / "configs" / "platforms" / "lassen.yaml").read_text())
     raw["frameworks"] = {"gpt2 ddp 1g abc": [[1e6]]}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
-    with pytest.raises(RecipeError, match=r"frameworks\.gpt2 ddp 1g abc: expected \[\[model state bytes >= 0, seconds\]"):
+    with pytest.raises(RecipeError, match=r"frameworks\.gpt2 ddp 1g abc: expected \[\[where >= 0, seconds\]"):
         platforms.load(tmp_path / "p.yaml")

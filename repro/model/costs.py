@@ -420,7 +420,8 @@ def cell_of(recipe: Any, facts: dict[str, Any] | None = None, capability: int | 
 def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The counted figures of an epoch event's ranks, as the model states them: the busiest rank's model
     state and activation peak, and by kind the payload per step of the rank that hands over the most
-    (the first such rank), as MLflow's comm/bytes_per_step counts it (repro.tracking)."""
+    (the first such rank), as MLflow's comm/bytes_per_step counts it (repro.tracking), and the first
+    rank's operations by kind."""
     comm = busiest([(rank.get("comm") or {}).get("bytes", {}) for rank in ranks])
     activations = [r["activation_peak_bytes"] for r in ranks if r.get("activation_peak_bytes") is not None]
     counted = [r["flops"] for r in ranks if r.get("flops")]
@@ -428,6 +429,7 @@ def measured_of(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return {"model_state": max(r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks),
             "activations": max(activations) if activations else None,
             "comm": sum(comm.values()) if any(r.get("comm") for r in ranks) else None, "comm_kinds": comm,
+            "comm_calls": (ranks[0].get("comm") or {}).get("calls", {}),
             **{f"flops_{phase}": flops.get(phase) for phase in FLOP_PHASES}}
 
 

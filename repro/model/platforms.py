@@ -102,8 +102,9 @@ class Platform:
     sources: list[str] = field(default_factory=list)
     measured: dict[str, Any] = field(default_factory=dict)  # `repro calibrate`'s raw points, kept for the record
     workloads: dict[str, Any] = field(default_factory=dict)  # workload -> WorkloadRates (measured profiles only)
-    # repro.model.time.framework_key -> [[model state bytes, seconds], ...]: a framework's own time a step beyond
-    # the model's terms, measured at two sizes (repro.framework_overhead; measured profiles only)
+    # repro.model.time.framework_key -> [[where, seconds], ...]: a framework's own time a step beyond the model's
+    # terms, measured at two sizes (repro.framework_overhead; measured profiles only), each where the model reads it
+    # (repro.model.time.own_time_scale: the model state bytes a rank, or ZeRO-1/2's bucket flushes a step)
     frameworks: dict[str, list[list[float]]] = field(default_factory=dict)
     path: str = ""
 
@@ -115,14 +116,14 @@ class Platform:
         """The workload's own measured rates, for the precision they were measured in (fp32), else None."""
         return self.workloads.get(workload) if precision == "fp32" else None
 
-    def framework_seconds(self, key: str, state_bytes: float) -> float:
-        """A framework's own seconds a step at `state_bytes` of model state per rank: on the line through the two
-        sizes it was measured at (0 where the profile has no figures for `key`)."""
+    def framework_seconds(self, key: str, where: float) -> float:
+        """A framework's own seconds a step at `where` (repro.model.time.own_time_scale): on the line through the
+        two sizes it was measured at (0 where the profile has no figures for `key`)."""
         points = sorted(self.frameworks.get(key) or [])
         if len(points) < 2:
             return points[0][1] if points else 0.0
         (small, at_small), (large, at_large) = points[0], points[-1]
-        return at_small + (state_bytes - small) * (at_large - at_small) / (large - small) if large > small else at_small
+        return at_small + (where - small) * (at_large - at_small) / (large - small) if large > small else at_small
 
     def link(self, scope: str, kind: str) -> Link:
         """The figures of collective `kind` in `scope` (the scope's default where the kind is not listed;
@@ -182,7 +183,7 @@ def parse(raw: Any, source: str) -> Platform:
             raise RecipeError(source, f"workloads.{name}.matmul", f"expected [[flops > 0, FLOP/s > 0], ...], got {rates.matmul!r}")
     for key, points in platform.frameworks.items():
         if not isinstance(points, list) or any(not isinstance(p, list) or len(p) != 2 or p[0] < 0 for p in points):
-            raise RecipeError(source, f"frameworks.{key}", f"expected [[model state bytes >= 0, seconds], ...], got {points!r}")
+            raise RecipeError(source, f"frameworks.{key}", f"expected [[where >= 0, seconds], ...], got {points!r}")
     return dataclasses.replace(platform, collectives=collectives, workloads=workloads, path=source)
 
 

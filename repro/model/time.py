@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from repro.model import costs, pipelines
 from repro.model.flops import StepFlops, pipeline_ranks, process_flops, step_flops
 from repro.model.platforms import Platform
 from repro.model.terms import Cell, even_balance
-from repro.shapes import GPT2Shape, parameters, tensor_count
+from repro.shapes import GPT2Shape, parameters, tensor_count, tensors
 
 # Operations a layer dispatches (aten ops, counted with TorchDispatchMode: bench/count_ops.py, which
 # tests/test_time.py reruns): GPT-2 (forward, backward) for the embedding, a block and the head with
@@ -151,12 +152,13 @@ def data_parallel(cell: Cell, platform: Platform) -> StepTime:
         tail = collective_seconds(platform, "all_reduce", bucket, n)
         return StepTime(compute, comm, overlapped(platform, comm, backward, tail))
     if fw == "zero" and cell.option("stage", 2) < 3:
-        bucket = 4 * min(cell.option("reduce_bucket_size", 500_000_000), parameters(cell.shape))
-        calls = -(-comm_by_kind["all_reduce"] // bucket)
-        reduce = collective_seconds(platform, "reduce_scatter_as_all_reduce", comm_by_kind["all_reduce"], n, calls)
+        # overlap_comm is off as the kit sets it (repro.adapters.zero_plan): each reduction waits where it is issued,
+        # stage 2's inside backward; the bucket's flushes, then the gradient norm's all-reduce (one fp32 of the payload)
+        reduce = collective_seconds(platform, "reduce_scatter_as_all_reduce", comm_by_kind["all_reduce"] - costs.FP32, n,
+                                    zero_flushes(cell))
+        norm = collective_seconds(platform, "all_reduce", costs.FP32, n)
         gather = collective_seconds(platform, "all_gather", comm_by_kind.get("all_gather", 0), n)
-        # overlap_comm is off as the kit sets it (repro.adapters.zero_plan): the reductions wait in backward
-        return StepTime(compute, reduce + gather, reduce + gather)
+        return StepTime(compute, reduce + norm + gather, reduce + norm + gather)
     reductions, gathers, norms = sharded_calls(cell)
     norm_bytes = costs.FP32 * costs.sharded_norms(cell, tensor_count(cell.shape))[0] if norms else 0
     gather = collective_seconds(platform, "all_gather", comm_by_kind.get("all_gather", 0), n, gathers)
@@ -168,6 +170,56 @@ def data_parallel(cell: Cell, platform: Platform) -> StepTime:
     # after it: the first gather and the last reduce-scatter wait, and the optimizer's norm reductions
     # come after backward (docs/time.md, "FSDP and ZeRO-3")
     return StepTime(compute, comm, overlapped(platform, comm, compute, gather / gathers + reduce / reductions + norm_s))
+
+
+def zero_reductions(cell: Cell) -> list[int]:
+    """Elements of each gradient all-reduce of a ZeRO-1/2 pass on gloo, as DeepSpeed 0.19 issues them
+    (deepspeed/runtime/zero/stage_1_and_2.py). The gradients, in the order they are handed over (stage 2:
+    as backward finishes them, the parameters in reverse; stage 1: the parameters' own order after
+    backward, `reduce_gradients`), fill a bucket of `reduce_bucket_size` elements that is flushed when the
+    next would overflow it, so one larger than the bucket is flushed alone, and what is left after
+    backward (`reduce_independent_p_g_buckets_and_remove_grads`). A flush cuts its gradients where the
+    ranks' partitions of the flat buffer meet and all-reduces the pieces in runs of more than the bucket
+    and the rest (`average_tensor`, `allreduce_and_scatter`): one call, or two where a gradient larger
+    than the bucket straddles a partition's edge."""
+    size = cell.option("reduce_bucket_size", 500_000_000)
+    numels = tensors(cell.shape)
+    starts = [0, *itertools.accumulate(numels)]
+    order = range(len(numels) - 1, -1, -1) if cell.option("stage", 2) == 2 else range(len(numels))
+    flushes, held, elements = [], [], 0
+    for index in order:
+        if held and elements + numels[index] > size:
+            flushes.append(held)
+            held, elements = [], 0
+        held.append(index)
+        elements += numels[index]
+    partition = -(-starts[-1] // cell.gpus)
+    calls = []
+    for flush in [*flushes, held]:
+        pending = 0
+        for piece in (piece for i in flush for piece in partition_pieces(starts[i], numels[i], partition)):
+            pending += piece
+            if pending > size:
+                calls.append(pending)
+                pending = 0
+        calls += [pending] if pending else []
+    return calls
+
+
+def zero_flushes(cell: Cell) -> int:
+    """Gradient all-reduces a ZeRO-1/2 step issues: stage 2's in every pass's backward, stage 1's once,
+    after the last (`reduce_ready_partitions_and_remove_grads`: at the accumulation boundary)."""
+    return len(zero_reductions(cell)) * (cell.accumulation_steps if cell.option("stage", 2) == 2 else 1)
+
+
+def partition_pieces(start: int, numel: int, partition: int) -> list[int]:
+    """A tensor at `start` of a flat buffer cut where partitions of `partition` elements meet."""
+    pieces, end = [], start + numel
+    while start < end:
+        cut = min(end, (start // partition + 1) * partition)
+        pieces.append(cut - start)
+        start = cut
+    return pieces
 
 
 def sharded_calls(cell: Cell) -> tuple[int, int, int]:
@@ -264,7 +316,7 @@ def step_time(cell: Cell, platform: Platform) -> StepTime:
     terms = model_terms(cell, platform)
     if not platform.frameworks:
         return terms
-    own = platform.framework_seconds(framework_key(cell), costs.predict(cell).model_state)
+    own = platform.framework_seconds(framework_key(cell), own_time_scale(cell))
     return dataclasses.replace(terms, framework_s=own)
 
 
@@ -277,6 +329,16 @@ def model_terms(cell: Cell, platform: Platform) -> StepTime:
     if cell.framework in ("torchgpipe", "torch-pipeline", "pipedream"):
         return pipeline(cell, platform)
     raise KeyError(f"no step-time model for {cell.framework!r}")
+
+
+def own_time_scale(cell: Cell) -> float:
+    """Where a framework's own time is read on the line through its two measured sizes: ZeRO-1/2's bucket
+    flushes a step where it has peers, each of which waits for them inside backward, about 2 ms on 2 CPU
+    cores, so that its own time follows them, not its model state (docs/time.md, "A framework's own
+    time"); every other framework's, and one rank's, model state a rank."""
+    if cell.framework == "zero" and cell.option("stage", 2) < 3 and cell.gpus > 1:
+        return float(zero_flushes(cell))
+    return float(costs.predict(cell).model_state)
 
 
 def framework_key(cell: Cell) -> str:

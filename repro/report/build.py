@@ -19,14 +19,16 @@ REPORT_RUN = "table2-report"
 
 def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, scale: str,
                   cores: int | None = None, predict: evidence.Predictor | None = None, final: bool = True,
-                  with_settings: tuple[list[Cell], str] | None = None, platform: Any = None) -> list[Path]:
+                  with_settings: tuple[list[Cell], str] | None = None, platform: Any = None,
+                  retimed: dict[tuple[str, object], list[float]] | None = None) -> list[Path]:
     """Every report file; the findings also read the parity report already in `folder`, if any.
     `cores`: the machine's (default), which decides whether epoch times can be compared; `predict`:
     the cost model at paper scale (default: repro.model.predict, quoted with the errors of this run's model check);
     `final`: also log the files to the matrix's MLflow report run (not while the matrix still runs);
     `with_settings`: the parity runs with memory settings (repro.parity.setting_cells) and their experiment,
     for the model check's section of them; `platform`: this machine's profile (`machine_profile`), for the
-    model check's step-time rows (none without it)."""
+    model check's step-time rows (none without it), and `retimed`, the same recipes timed again beside its
+    calibration (repro.framework_overhead.retimed), which the rows read too."""
     folder.mkdir(parents=True, exist_ok=True)
     results = collect(cells, uri, experiment)
     nodes = max((r.cell.recipe.run.nodes for r in results if r.ok), default=1)
@@ -34,7 +36,7 @@ def write_reports(cells: list[Cell], uri: str, experiment: str, folder: Path, sc
     paths += tables.write_all(folder, "results", tables.result_rows(results), tables.RESULT_COLUMNS)
     paths += figures.all_figures(results, folder)
     cores = cores or cpu_cores()
-    checked = model_check.checks(results, platform, cores)
+    checked = model_check.checks(results, platform, cores, retimed)
     if final:
         model_check.log_step_times(uri, checked)
     settings_checked = []
