@@ -187,6 +187,17 @@ def test_compute_is_flops_at_the_rate_plus_memory_plus_dispatch_on_a_cpu():
     assert time.step_time(cell, gpu_like).total_s == pytest.approx(max(expected - ops * 1e-5, ops * 1e-5))
 
 
+def test_every_micro_batch_writes_and_reads_its_own_activations():
+    """Under gradient accumulation each pass saves one micro-batch's activations (the cost model's peak) and
+    reads them back: the memory-bound bytes of a step are the passes times that, not one pass's."""
+    whole = recipe_cell("gpt2", "ddp", 1, "smoke")
+    micro = dataclasses.replace(whole, micro_batch=whole.batch_per_gpu // 4)
+    cpu, free = cpu_profile(), cpu_profile(memory=platforms.Memory(bandwidth=1e30))
+    memory = time.step_time(micro, cpu).total_s - time.step_time(micro, free).total_s
+    prediction = costs.predict(micro)
+    assert memory == pytest.approx((4 * 2 * prediction.activations + 3 * prediction.model_state) / 1e10)
+
+
 @pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
 def test_calibrate_times_a_workloads_own_operations_on_either_side_of_the_smoke_size(workload):
     """The sizes are the model's mean matrix operation of each calibration shape (so the model reads the

@@ -82,15 +82,15 @@ def compute_seconds(cell: Cell, platform: Platform, flops: StepFlops, layers: li
                     moved: tuple[int, int] | None = None) -> float:
     """The compute of a rank running `layers`, `passes` forward-backward passes a step (docs/time.md,
     "Compute"): matrix FLOPs at the rate of the step's mean operation, memory-bound bytes (activations
-    written in forward and read in backward; the model state once through the optimizer: `moved`, else
-    what the cost model says the rank holds, which a whole-model step moves), dispatch. A measured
+    written in forward and read in backward, each pass's; the model state once through the optimizer:
+    `moved`, else what the cost model says the rank holds, one micro-batch's activations a pass), dispatch. A measured
     profile's own rates of the workload (WorkloadRates) stand in for its generic ones."""
     forward, backward, _ = layer_ops(cell.shape, layers)
     recomputed = flops.recompute / flops.forward if flops.forward else 0.0
     size = mean_matmul_flops(cell, flops, layers, passes)
     if moved is None:
         prediction = costs.predict(cell)
-        moved = prediction.activations or 0, prediction.model_state
+        moved = passes * (prediction.activations or 0), prediction.model_state
     activations, state = 2 * moved[0], OPTIMIZER_TRAFFIC * moved[1]
     rates = platform.rates(workload_of(cell), cell.precision)
     if rates:
