@@ -273,6 +273,25 @@ def test_torchgpipe_on_cpu_stand_ins_runs_every_partition_on_one_host_without_a_
     assert step.total_s == pytest.approx(one.total_s)  # the same 8 micro-batches through the same layers
 
 
+@pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
+def test_torchgpipe_on_cpu_moves_each_micro_batchs_activations_once(workload):
+    """One host runs every partition over every micro-batch: each micro-batch's saved activations are written
+    and read once (pipelines.rank_traffic, as for the other pipelines). The cost model's GPipe peak holds every
+    micro-batch at once, so the passes times it counted GPT-2's 16 micro-batches at 4 partitions 16 times over."""
+    cpu, free = cpu_profile(), cpu_profile(memory=platforms.Memory(bandwidth=1e30))
+    activations = {}
+    for gpus in (1, 2, 4):
+        cell = row_cell(workload, "torchgpipe", gpus, "smoke")
+        _, _, micro, samples, sizes = time.pipeline_plan(cell)
+        traffic = [pipelines.rank_traffic(cell, sizes, rank, gpus, micro, samples) for rank in range(gpus)]
+        state = sum(held for _, held in traffic)
+        moved = (time.step_time(cell, cpu).total_s - time.step_time(cell, free).total_s) * 1e10
+        activations[gpus] = moved - 3 * state
+        assert activations[gpus] == pytest.approx(2 * sum(saved for saved, _ in traffic))
+    if workload == "gpt2":  # 4 partitions, 16 micro-batches of 8 sequences; 1 partition, 4 of 8
+        assert activations[4] == pytest.approx(4 * activations[1])
+
+
 def test_an_epoch_is_its_steps_times_the_step():
     cell = row_cell("vgg16", "ddp", 8)
     assert time.epoch_steps(cell, "imagenet") == math.ceil(1_281_167 / (64 * 8))
