@@ -292,10 +292,9 @@ def pipeline(cell: Cell, platform: Platform) -> StepTime:
     schedule, per_rank, micro, samples, sizes = pipeline_plan(cell)
     ranks = cell.gpus
     if cell.framework == "torchgpipe" and not platform.dispatch_overlaps:
-        one = dataclasses.replace(cell, gpus=1, options={**cell.options, "balance": [sum(sizes)], "chunks_per_gpu": micro})
         traffic = [pipelines.rank_traffic(cell, sizes, rank, ranks, micro, samples) for rank in range(ranks)]
         moved = sum(saved for saved, _ in traffic), sum(state for _, state in traffic)
-        return StepTime(compute_seconds(one, platform, process_flops(cell), all_layers(cell), micro, moved), 0.0, 0.0)
+        return StepTime(compute_seconds(cell, platform, process_flops(cell), all_layers(cell), micro, moved), 0.0, 0.0)
     computes = rank_computes(cell, platform, sizes, micro, samples)
     compute = max(computes)
     comm = sum(collective_seconds(platform, kind, payload, 2, 2 * micro)
