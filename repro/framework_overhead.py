@@ -139,15 +139,21 @@ def measured_residuals(cells: list[Cell], uri: str, platform: Platform) -> list[
 
 
 def calibrated(uri: str, out: Callable[[str], None], cores: int, again: bool = False) -> Platform:
-    """This machine's profile (repro.calibrate.calibrated; measured anew with `again`) with its frameworks'
-    own times, kept in the same file: their runs made where the store holds none, the model's terms
-    subtracted from them every time, so that a changed model is read against its own terms, never
-    against the terms of the model that measured them."""
-    platform = calibrate.calibrated(calibrate.store_folder(uri), again)
+    """This machine's profile (repro.calibrate.calibrated; measured anew with `again`, and where it was measured
+    now, once more after each pass of the runs) with its frameworks' own times, kept in the same file: their runs
+    made where the store holds none, the model's terms subtracted from them every time, so that a changed model
+    is read against its own terms, never against the terms of the model that measured them."""
+    folder = calibrate.store_folder(uri)
+    measuring = again or calibrate.kept(calibrate.profile_path(folder)) is None
+    platform = calibrate.calibrated(folder, again)
     cells = calibration_cells("smoke", cores)
     out(f"calibrate: each framework's own time, {len(cells)} runs of {STEPS} steps at two sizes and the recipe's, "
-        f"in {PASSES} passes (repro/framework_overhead.py)")
-    parity.train([cell.recipe for cell in cells], uri, EXPERIMENT, out, label="calibrate")
+        f"in {PASSES} passes (repro/framework_overhead.py)" + (", the machine measured again after each" if measuring else ""))
+    for number in range(1, PASSES + 1):
+        parity.train([cell.recipe for cell in cells if cell.row.endswith(f" pass {number}")], uri, EXPERIMENT, out,
+                     label="calibrate")
+        if measuring:  # minutes apart, each figure its fastest (calibrate.fastest): one slow spell does not set it
+            platform = calibrate.remeasured(Path(platform.path))
     measured = dataclasses.replace(platform, frameworks=own_times(cells, uri, platform))
     platforms.dump(measured, Path(platform.path))
     return measured

@@ -83,15 +83,38 @@ def test_a_kept_profile_gets_its_frameworks_own_times_anew_against_the_model_of_
     path = tmp_path / "platform.yaml"
     stale = dataclasses.replace(cpu_profile(), frameworks={"gpt2 ddp 1g old": [[1.0, 9.0], [2.0, 9.0]]}, path=str(path))
     monkeypatch.setattr(calibrate, "calibrated", lambda folder, again: stale)
+    monkeypatch.setattr(calibrate, "kept", lambda path: stale)
+    monkeypatch.setattr(calibrate, "remeasured", lambda path: pytest.fail("a kept profile is measured again"))
     trained = []
     monkeypatch.setattr(framework_overhead.parity, "train", lambda recipes, *args, **kwargs: trained.append(len(recipes)))
     cells = framework_overhead.calibration_cells("smoke", 2)[:2]
     results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"framework_median": [0.028]}) for c in cells]
     monkeypatch.setattr(collect, "collect", lambda *args: results)
     profile = framework_overhead.calibrated(f"sqlite:///{tmp_path}/mlflow.db", lambda line: None, 2)
-    assert trained == [len(framework_overhead.calibration_cells("smoke", 2))]
+    every = len(framework_overhead.calibration_cells("smoke", 2))
+    assert trained == [every // framework_overhead.PASSES] * framework_overhead.PASSES  # pass by pass
     assert list(profile.frameworks) == [time.framework_key(costs.cell_of(cells[0].recipe))]
     assert platforms.load(path).frameworks == profile.frameworks
+
+
+def test_a_profile_measured_now_is_measured_again_after_each_pass_of_the_runs(monkeypatch, tmp_path):
+    """Where the machine is measured now, it is measured once more after each pass, minutes apart, and the
+    passes' runs are made between (calibrate.fastest keeps each figure's fastest)."""
+    path = tmp_path / "platform.yaml"
+    platforms.dump(cpu_profile(), path)
+    fresh = platforms.load(path)
+    monkeypatch.setattr(calibrate, "calibrated", lambda folder, again: fresh)
+    monkeypatch.setattr(calibrate, "kept", lambda path: None)  # none kept: measured now
+    events = []
+    monkeypatch.setattr(calibrate, "remeasured", lambda path: events.append("measure") or fresh)
+    monkeypatch.setattr(framework_overhead.parity, "train",
+                        lambda recipes, *args, **kwargs: events.append({r.fingerprint() for r in recipes}))
+    monkeypatch.setattr(collect, "collect", lambda *args: [])
+    framework_overhead.calibrated(f"sqlite:///{tmp_path}/mlflow.db", lambda line: None, 2)
+    cells = framework_overhead.calibration_cells("smoke", 2)
+    passes = [{c.recipe.fingerprint() for c in cells if c.row.endswith(f" pass {n}")} for n in (1, 2)]
+    assert events == [passes[0], "measure", passes[1], "measure"]
+    assert not passes[0] & passes[1] and len(passes[0]) + len(passes[1]) == len(cells)
 
 
 def test_the_check_reads_a_cell_at_the_least_of_its_runs_and_its_retimings_at_the_recipes_size(monkeypatch):

@@ -97,6 +97,43 @@ def test_a_kept_profile_without_the_workloads_own_rates_is_measured_anew(tmp_pat
     assert platforms.load(calibrate.profile_path(tmp_path)).workloads == {"gpt2": RATES, "vgg16": RATES}
 
 
+def measured_profile(scale: float, at: str) -> platforms.Platform:
+    """cpu_profile as `repro calibrate` keeps it, its rates `scale` times and its times 1/`scale` times a base."""
+    rates = platforms.WorkloadRates(matmul=[[1e6, 2e10 * scale], [1e8, 6e10 * scale]],
+                                    activation_bandwidth=4e9 * scale, state_bandwidth=1e10 * scale)
+    link = platforms.Link(latency_s=1e-4 / scale, bandwidth=1e9 * scale)
+    return cpu_profile(
+        matmul=platforms.Matmul(peak={"fp32": 1e11 * scale}, efficiency=[[1e3, 0.5], [1e6, 1.0]]),
+        memory=platforms.Memory(bandwidth=1e10 * scale), dispatch_s={"default": 1.5e-5 / scale, "gpt2": 1e-5 / scale,
+                                                                     "vgg16": 2e-5 / scale},
+        collectives={"intra": {kind: link for kind in platforms.KINDS}}, workloads={"gpt2": rates, "vgg16": rates},
+        measured={"matmul": [[1e3, 5e10 * scale], [1e6, 1e11 * scale]],
+                  "collectives_s": {"all_reduce": [1e-4 / scale, 5e-3 / scale]},
+                  "measurements": [{"at": at, "load_average": [0.1, 0.1, 0.1]}]})
+
+
+def test_a_profile_measured_several_times_keeps_each_figure_at_its_fastest(tmp_path):
+    """calibrate.fastest: GPT-2's dispatch from one measurement and VGG-16's from another, every rate at its
+    highest, every time at its least; the kept file records when each measurement was made."""
+    from repro import calibrate
+
+    slow, fast = measured_profile(1.0, "01:00"), measured_profile(2.0, "01:05")
+    mixed = dataclasses.replace(fast, dispatch_s={"default": 1.2e-5, "gpt2": 2e-5, "vgg16": 4e-6})
+    folded = calibrate.fastest([slow, mixed])
+    assert folded.dispatch_s == {"default": pytest.approx(7e-6), "gpt2": 1e-5, "vgg16": 4e-6}
+    assert folded.matmul.peak == {"fp32": 2e11} and folded.matmul.efficiency == [[1e3, 0.5], [1e6, 1.0]]
+    assert folded.memory.bandwidth == 2e10
+    assert folded.workloads["gpt2"] == platforms.WorkloadRates([[1e6, 4e10], [1e8, 1.2e11]], 8e9, 2e10)
+    assert folded.collectives["intra"]["all_reduce"] == platforms.Link(latency_s=5e-5, bandwidth=2e9)
+    assert folded.measured["collectives_s"] == {"all_reduce": [5e-5, 2.5e-3]}
+    path = tmp_path / "platform.yaml"
+    platforms.dump(folded, path)
+    again = platforms.load(path)
+    assert [m["at"] for m in calibrate.fastest([again, slow]).measured["measurements"]] == ["01:00", "01:05", "01:00"]
+    assert dataclasses.replace(calibrate.fastest([again, slow]), path="") == dataclasses.replace(again, path="", measured={
+        **again.measured, "measurements": [*again.measured["measurements"], *slow.measured["measurements"]]})
+
+
 def test_matmul_rate_is_the_share_of_the_largest_threshold_at_or_below_the_size():
     matmul = platforms.load("thetagpu").matmul
     assert [matmul.rate("bf16", size) for size in (1e8, 1e9, 15.9e9, 200e9)] == [312e12 * s for s in (0.1, 0.6, 0.6, 0.95)]
