@@ -302,9 +302,8 @@ def shared_folder() -> Path:
 def kept(path: Path) -> platforms.Platform | None:
     """The profile kept at `path`, if there is one with the workloads' own rates (one from before WorkloadRates
     is measured anew)."""
-    if path.is_file() and set(TINY) <= set(platforms.load(path).workloads):
-        return platforms.load(path)
-    return None
+    profile = platforms.load(path) if path.is_file() else None
+    return profile if profile and set(TINY) <= set(profile.workloads) else None
 
 
 def calibrated(folder: Path, again: bool = False, shared: bool = False) -> platforms.Platform:
@@ -321,16 +320,16 @@ def calibrated(folder: Path, again: bool = False, shared: bool = False) -> platf
     return platforms.load(path)
 
 
-def remeasured(path: Path) -> platforms.Platform:
-    """The profile kept at `path` with another measurement of this machine folded in (`fastest`), kept there."""
+def remeasured(profile: platforms.Platform) -> platforms.Platform:
+    """`profile` with another measurement of this machine folded in (`fastest`), kept where it is kept."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
         measure_apart(Path(scratch) / "profile.yaml")
         again = platforms.load(Path(scratch) / "profile.yaml")
-    profile = fastest([platforms.load(path), again])
-    platforms.dump(profile, path)
-    return platforms.load(path)
+    folded = dataclasses.replace(fastest([profile, again]), path=profile.path)
+    platforms.dump(folded, Path(profile.path))
+    return folded
 
 
 def fastest(profiles: list[platforms.Platform]) -> platforms.Platform:

@@ -144,8 +144,9 @@ def calibrated(uri: str, out: Callable[[str], None], cores: int, again: bool = F
     made where the store holds none, the model's terms subtracted from them every time, so that a changed model
     is read against its own terms, never against the terms of the model that measured them."""
     folder = calibrate.store_folder(uri)
-    measuring = again or calibrate.kept(calibrate.profile_path(folder)) is None
-    platform = calibrate.calibrated(folder, again)
+    platform = None if again else calibrate.kept(calibrate.profile_path(folder))
+    measuring = platform is None
+    platform = platform or calibrate.calibrated(folder, again=True)
     cells = calibration_cells("smoke", cores)
     out(f"calibrate: each framework's own time, {len(cells)} runs of {STEPS} steps at two sizes and the recipe's, "
         f"in {PASSES} passes (repro/framework_overhead.py)" + (", the machine measured again after each" if measuring else ""))
@@ -153,7 +154,7 @@ def calibrated(uri: str, out: Callable[[str], None], cores: int, again: bool = F
         parity.train([cell.recipe for cell in cells if cell.row.endswith(f" pass {number}")], uri, EXPERIMENT, out,
                      label="calibrate")
         if measuring:  # minutes apart, each figure its fastest (calibrate.fastest): one slow spell does not set it
-            platform = calibrate.remeasured(Path(platform.path))
+            platform = calibrate.remeasured(platform)
     measured = dataclasses.replace(platform, frameworks=own_times(cells, uri, platform))
     platforms.dump(measured, Path(platform.path))
     return measured

@@ -82,9 +82,9 @@ def test_a_kept_profile_gets_its_frameworks_own_times_anew_against_the_model_of_
     and the model's present terms subtracted from them, so a changed model is never read against old terms."""
     path = tmp_path / "platform.yaml"
     stale = dataclasses.replace(cpu_profile(), frameworks={"gpt2 ddp 1g old": [[1.0, 9.0], [2.0, 9.0]]}, path=str(path))
-    monkeypatch.setattr(calibrate, "calibrated", lambda folder, again: stale)
+    monkeypatch.setattr(calibrate, "calibrated", lambda folder, again: pytest.fail("a kept profile is measured again"))
     monkeypatch.setattr(calibrate, "kept", lambda path: stale)
-    monkeypatch.setattr(calibrate, "remeasured", lambda path: pytest.fail("a kept profile is measured again"))
+    monkeypatch.setattr(calibrate, "remeasured", lambda profile: pytest.fail("a kept profile is measured again"))
     trained = []
     monkeypatch.setattr(framework_overhead.parity, "train", lambda recipes, *args, **kwargs: trained.append(len(recipes)))
     cells = framework_overhead.calibration_cells("smoke", 2)[:2]
@@ -106,7 +106,7 @@ def test_a_profile_measured_now_is_measured_again_after_each_pass_of_the_runs(mo
     monkeypatch.setattr(calibrate, "calibrated", lambda folder, again: fresh)
     monkeypatch.setattr(calibrate, "kept", lambda path: None)  # none kept: measured now
     events = []
-    monkeypatch.setattr(calibrate, "remeasured", lambda path: events.append("measure") or fresh)
+    monkeypatch.setattr(calibrate, "remeasured", lambda profile: events.append("measure") or fresh)
     monkeypatch.setattr(framework_overhead.parity, "train",
                         lambda recipes, *args, **kwargs: events.append({r.fingerprint() for r in recipes}))
     monkeypatch.setattr(collect, "collect", lambda *args: [])
