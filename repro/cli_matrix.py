@@ -60,9 +60,16 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         for cell in todo:
             click.echo(f"{cell.label:<28} to run")
         return
+    calibration = None  # this machine's profile for the step-time check, measured around the matrix's own runs
+    if scale == "smoke" and not rows and not reports_only:
+        from repro.framework_overhead import Calibration
+        from repro.hardware import cpu_cores
+
+        calibration = Calibration(uri, cpu_cores())
     if not reports_only:
         early = EarlyReports(cells, uri, experiment, reports, scale, out=lambda line: click.echo(line, err=True))
-        counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed, after_each=early)
+        counts = matrix_module.run_matrix(cells, uri, experiment, retry_failed, after_each=early,
+                                          beside=calibration.beside if calibration else lambda cell: [])
         click.echo(f"matrix: {counts['ran']} ran, {counts['failed']} failed, {counts['held']} already held, "
                    f"{counts['blocked']} cannot run here, {counts['skipped']} skipped", err=True)
     with_settings = None
@@ -83,18 +90,16 @@ def table2(scale: str, tracking_uri: str | None, experiment: str | None, reports
         study = study_module.run_study(scale, uri, f"convergence-{scale}", execute=not reports_only)
         for path in study_module.write(study, reports):
             click.echo(str(path))
-    # this machine's profile for the step-time check: the one kept beside the store, or measured now, once, with
-    # the frameworks' own times for the whole matrix (not for --reports-only, which starts no process: without a
-    # kept profile, step times go unchecked)
+    # this machine's profile for the step-time check: the one kept beside the store, or measured now (before the
+    # matrix), with the frameworks' own times for the whole matrix, their first pass made beside the matrix's
+    # cells (not for --reports-only, which starts no process: without a kept profile, step times go unchecked)
     platform, retimed = None, None
     if scale == "smoke" and not rows:
         from repro import framework_overhead
         from repro.hardware import cpu_cores
 
-        if reports_only:
-            platform = machine_profile(uri, measure=False)
-        else:
-            platform = framework_overhead.calibrated(uri, lambda line: click.echo(line, err=True), cpu_cores())
+        platform = calibration.finished(lambda line: click.echo(line, err=True)) if calibration else \
+            machine_profile(uri, measure=False)
         retimed = framework_overhead.retimed(framework_overhead.calibration_cells(scale, cpu_cores()), uri)
     elif scale == "smoke":
         platform = machine_profile(uri, measure=not reports_only)
@@ -367,7 +372,7 @@ def calibrate(tracking_uri: str | None, again: bool, machine_only: bool) -> None
         from repro import framework_overhead
         from repro.hardware import cpu_cores
 
-        platform = framework_overhead.calibrated(uri, lambda line: click.echo(line, err=True), cpu_cores(), again)
+        platform = framework_overhead.Calibration(uri, cpu_cores(), again).finished(lambda line: click.echo(line, err=True))
     click.echo(platform.path)
     click.echo(f"  matrix multiply: {platform.matmul.peak['fp32'] / 1e9:.1f} GFLOP/s at the largest size; "
                f"memory {platform.memory.bandwidth / 1e9:.1f} GB/s; dispatch " +

@@ -16,8 +16,10 @@ nothing to a plain step (PLAIN). The profile keeps both sizes' figures (Platform
 repro.model.time.framework_key) and the model reads them on the line through them at the cell's model state
 (at its bucket flushes for ZeRO-1/2, whose own time follows them: repro.model.time.own_time_scale).
 So the smoke cells that the check compares are predicted between two measured sizes, never fitted to themselves.
-The runs are recorded in MLflow (experiment EXPERIMENT) and reused by recipe fingerprint, with warm ranks, like
-the matrix's.
+In the main job the first pass runs beside the matrix, each recipe's runs right after the matrix's run of it
+(Calibration.beside), and the second after the matrix's parity and convergence runs: both sides of the check then
+share the machine's slow and fast spells. The runs are recorded in MLflow (experiment EXPERIMENT) and reused by
+recipe fingerprint, with warm ranks, like the matrix's.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Callable
 
 from repro import calibrate, parity, registry
 from repro.cell import Cell
+from repro.recipe import Recipe
 from repro.matrix import cell_for, load_matrix, repeated
 from repro.model import costs, platforms, time
 from repro.model.platforms import Platform
@@ -138,23 +141,60 @@ def measured_residuals(cells: list[Cell], uri: str, platform: Platform) -> list[
     return residuals
 
 
-def calibrated(uri: str, out: Callable[[str], None], cores: int, again: bool = False) -> Platform:
-    """This machine's profile (repro.calibrate.calibrated; measured anew with `again`, and where it was measured
-    now, once more after each pass of the runs) with its frameworks' own times, kept in the same file: their runs
-    made where the store holds none, the model's terms subtracted from them every time, so that a changed model
-    is read against its own terms, never against the terms of the model that measured them."""
-    folder = calibrate.store_folder(uri)
-    platform = None if again else calibrate.kept(calibrate.profile_path(folder))
-    measuring = platform is None
-    platform = platform or calibrate.calibrated(folder, again=True)
-    cells = calibration_cells("smoke", cores)
-    out(f"calibrate: each framework's own time, {len(cells)} runs of {STEPS} steps at two sizes and the recipe's, "
-        f"in {PASSES} passes (repro/framework_overhead.py)" + (", the machine measured again after each" if measuring else ""))
-    for number in range(1, PASSES + 1):
-        parity.train([cell.recipe for cell in cells if cell.row.endswith(f" pass {number}")], uri, EXPERIMENT, out,
-                     label="calibrate")
-        if measuring:  # minutes apart, each figure its fastest (calibrate.fastest): one slow spell does not set it
-            platform = calibrate.remeasured(platform)
-    measured = dataclasses.replace(platform, frameworks=own_times(cells, uri, platform))
-    platforms.dump(measured, Path(platform.path))
-    return measured
+class Calibration:
+    """This machine's profile (repro.calibrate.calibrated: the one kept beside the store, else measured now, and
+    then once more after each pass) with its frameworks' own times, measured around the matrix's own runs: the
+    first pass of a cell's runs right after the matrix's run of its recipe (`beside`), so that the check compares
+    runs made in the same minutes. On a 2-core VM the same steps ran 35-65% slower for the 18 minutes of a
+    calibration made after the matrix, and every cell read high (docs/time.md, "Checked where timing is
+    testable")."""
+
+    def __init__(self, uri: str, cores: int, again: bool = False):
+        self.uri = uri
+        folder = calibrate.store_folder(uri)
+        platform = None if again else calibrate.kept(calibrate.profile_path(folder))
+        self.measuring = platform is None
+        self.platform = platform or calibrate.calibrated(folder, again=True)
+        self.cells = calibration_cells("smoke", cores)
+        self.first_pass = first_pass_by_recipe(self.cells)
+
+    def beside(self, cell: Cell) -> list[tuple[str, Recipe, str]]:
+        """The first pass's runs of the matrix cell's recipe that the store lacks, as the matrix runner makes
+        them (repro.table2.run_matrix): once per recipe (megatron-intra and -data at 1 GPU share theirs)."""
+        from repro.table2 import held_fingerprints
+
+        group = self.first_pass.pop(at_steps(cell.recipe).fingerprint(), []) if cell.recipe else []
+        held = held_fingerprints(self.uri, EXPERIMENT, retry_failed=True) if group else set()
+        return [(f"calibrate {c.label}", c.recipe, EXPERIMENT) for c in group if c.recipe.fingerprint() not in held]
+
+    def finished(self, out: Callable[[str], None]) -> Platform:
+        """The profile with the frameworks' own times, kept in the same file: the runs the store lacks made now,
+        pass by pass, and the model's terms subtracted from all of them every time, so that a changed model
+        is read against its own terms, never against the terms of the model that measured them."""
+        out(f"calibrate: each framework's own time, {len(self.cells)} runs of {STEPS} steps at two sizes and the "
+            f"recipe's, in {PASSES} passes (repro/framework_overhead.py)"
+            + (", the machine measured again after each" if self.measuring else ""))
+        platform = self.platform
+        for number in range(1, PASSES + 1):
+            parity.train([cell.recipe for cell in self.cells if cell.row.endswith(f" pass {number}")], self.uri,
+                         EXPERIMENT, out, label="calibrate")
+            if self.measuring:  # minutes apart, each figure its fastest (calibrate.fastest): one slow spell does not set it
+                platform = calibrate.remeasured(platform)
+        measured = dataclasses.replace(platform, frameworks=own_times(self.cells, self.uri, platform))
+        platforms.dump(measured, Path(platform.path))
+        return measured
+
+
+def at_steps(recipe: Recipe) -> Recipe:
+    """The recipe cut to the calibration's STEPS steps: the recipe of its run at its own size."""
+    return dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, max_steps=STEPS))
+
+
+def first_pass_by_recipe(cells: list[Cell]) -> dict[str, list[Cell]]:
+    """The first pass of `cells` (calibration_cells) by the fingerprint of its run at the recipe's own size: each
+    matrix recipe's runs at its own size and at SIZES."""
+    groups: dict[tuple[str, int, str], list[Cell]] = {}
+    for cell in cells:
+        if cell.row.endswith(" pass 1"):
+            groups.setdefault((cell.workload, cell.gpus, cell.row.split(" [")[0]), []).append(cell)
+    return {own.recipe.fingerprint(): group for group in groups.values() for own in group if at_checked_size(own)}

@@ -196,9 +196,9 @@ def train(recipes: list[Recipe], uri: str, experiment: str, out: Callable[[str],
 
     held = held_fingerprints(uri, experiment, retry_failed=True)
     todo = {r.fingerprint(): r for r in recipes if r.fingerprint() not in held}
-    runs = [(f"{label} {r.run.framework} {r.run.gpus}g", r) for r in todo.values()]
+    runs = [(f"{label} {r.run.framework} {r.run.gpus}g", r, experiment) for r in todo.values()]
     return {key: refusal or f"run failed (exit {code})"
-            for key, (code, refusal) in zip(todo, run_each(runs, uri, experiment, out)) if code}
+            for key, (code, refusal) in zip(todo, run_each(runs, uri, out)) if code}
 
 
 def compare(config: Config, recipe: Recipe, losses: list[float] | None, reference: list[float] | None,

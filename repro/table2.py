@@ -19,6 +19,8 @@ from repro.cell import Cell
 from repro.recipe import Recipe
 from repro.schema import RecipeError
 
+Run = tuple[str, Recipe, str]  # one run to make: its progress label, its recipe, its MLflow experiment
+
 
 def held_fingerprints(uri: str, experiment: str, retry_failed: bool) -> set[str]:
     """Fingerprints MLflow already holds a finished (or, unless retried, failed) run for."""
@@ -80,37 +82,48 @@ def run_matrix(
     cells: list[Cell], uri: str, experiment: str, retry_failed: bool = False,
     out: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     after_each: Callable[[], None] = lambda: None,
+    beside: Callable[[Cell], list[Run]] = lambda cell: [],
 ) -> dict[str, int]:
-    """Run the cells MLflow lacks and that can run here, one after another, with a progress line per cell
-    and `after_each` called after each (the main job rewrites its reports there)."""
+    """Run the cells MLflow lacks and that can run here, one after another, each followed by the runs
+    `beside` gives for it (the main job's calibration runs of its recipe, in their own experiment:
+    repro.framework_overhead.Calibration), with a progress line per run and `after_each` called after each
+    (the main job rewrites its reports there)."""
     todo, counts = plan(cells, uri, experiment, retry_failed, out)
-    runs = [(c.label, c.recipe) for c in todo]
-    for cell, (code, refusal) in zip(todo, run_each(runs, uri, experiment, out, after_each)):
-        counts["ran" if code == 0 else "failed"] += 1
-        cell.skip = refusal
+    runs: list[Run] = []
+    owners: list[Cell | None] = []  # the matrix's cell of each run; None for a run beside one
+    for cell in todo:
+        extra = beside(cell)
+        runs += [(cell.label, cell.recipe, experiment), *extra]
+        owners += [cell] + [None] * len(extra)
+    for cell, (code, refusal) in zip(owners, run_each(runs, uri, out, after_each)):
+        if cell:
+            counts["ran" if code == 0 else "failed"] += 1
+            cell.skip = refusal
     return counts
 
 
 class TimeLeft:
     """The time a list of runs has left, from the recorded times of those finished: each run still to go is
-    expected to take what the finished runs of its workload and GPU count took on average (of its workload
-    while none of those has finished, else of all). The matrix's cells differ far more by workload and GPU
-    count (VGG-16 trains 10 epochs, GPT-2 3) than by framework, so the pace of all runs so far misleads."""
+    expected to take what the finished runs of its workload, GPU count and step limit took on average (of its
+    workload and step limit while none of those has finished, then of its workload, else of all). The matrix's
+    cells differ far more by workload and GPU count (VGG-16 trains 10 epochs, GPT-2 3) than by framework, and
+    the calibration's runs beside them (20 steps) far less long, so the pace of all runs so far misleads."""
 
     def __init__(self, recipes: list[Recipe]):
         self.recipes = recipes
         self.took: list[tuple[tuple[str, int], float]] = []
 
     @staticmethod
-    def kind(recipe: Recipe) -> tuple[str, int]:
-        return recipe.workload, recipe.run.gpus
+    def kind(recipe: Recipe) -> tuple[str, int, int | None]:
+        return recipe.workload, recipe.run.gpus, recipe.train.max_steps
 
     def finished(self, recipe: Recipe, seconds: float) -> None:
         self.took.append((self.kind(recipe), seconds))
 
     def expected(self, recipe: Recipe) -> float:
-        workload, gpus = self.kind(recipe)
-        for alike in (lambda k: k == (workload, gpus), lambda k: k[0] == workload, lambda k: True):
+        workload, gpus, steps = self.kind(recipe)
+        for alike in (lambda k: k == (workload, gpus, steps), lambda k: k[0] == workload and k[2] == steps,
+                      lambda k: k[0] == workload, lambda k: True):
             times = [seconds for kind, seconds in self.took if alike(kind)]
             if times:
                 return sum(times) / len(times)
@@ -120,18 +133,18 @@ class TimeLeft:
         return sum(self.expected(recipe) for recipe in self.recipes[len(self.took):])
 
 
-def run_each(runs: list[tuple[str, Recipe]], uri: str, experiment: str, out: Callable[[str], None],
+def run_each(runs: list[Run], uri: str, out: Callable[[str], None],
              after_each: Callable[[], None] = lambda: None) -> list[tuple[int, str | None]]:
-    """Run each (label, recipe) in turn with `repro run`'s own path, one progress line each (with the time
+    """Run each (label, recipe, experiment) in turn with `repro run`'s own path, one progress line each (with the time
     left, TimeLeft), then `after_each`; per run, its exit code and why it could not start (None when it did)."""
     from repro import runner
     from repro.data import DataError
 
     from repro.run.options import Launch
 
-    results, left = [], TimeLeft([recipe for _, recipe in runs])
-    with kept_warm([recipe for _, recipe in runs]) as warm:
-        for index, (label, recipe) in enumerate(runs, 1):
+    results, left = [], TimeLeft([recipe for _, recipe, _ in runs])
+    with kept_warm([recipe for _, recipe, _ in runs]) as warm:
+        for index, (label, recipe, experiment) in enumerate(runs, 1):
             begun, refusal = time.monotonic(), None
             try:
                 code = runner.execute(recipe, uri, experiment, Launch(warm=warm), echo=lambda line: None,

@@ -90,7 +90,7 @@ def test_a_kept_profile_gets_its_frameworks_own_times_anew_against_the_model_of_
     cells = framework_overhead.calibration_cells("smoke", 2)[:2]
     results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"framework_median": [0.028]}) for c in cells]
     monkeypatch.setattr(collect, "collect", lambda *args: results)
-    profile = framework_overhead.calibrated(f"sqlite:///{tmp_path}/mlflow.db", lambda line: None, 2)
+    profile = framework_overhead.Calibration(f"sqlite:///{tmp_path}/mlflow.db", 2).finished(lambda line: None)
     every = len(framework_overhead.calibration_cells("smoke", 2))
     assert trained == [every // framework_overhead.PASSES] * framework_overhead.PASSES  # pass by pass
     assert list(profile.frameworks) == [time.framework_key(costs.cell_of(cells[0].recipe))]
@@ -110,11 +110,45 @@ def test_a_profile_measured_now_is_measured_again_after_each_pass_of_the_runs(mo
     monkeypatch.setattr(framework_overhead.parity, "train",
                         lambda recipes, *args, **kwargs: events.append({r.fingerprint() for r in recipes}))
     monkeypatch.setattr(collect, "collect", lambda *args: [])
-    framework_overhead.calibrated(f"sqlite:///{tmp_path}/mlflow.db", lambda line: None, 2)
+    framework_overhead.Calibration(f"sqlite:///{tmp_path}/mlflow.db", 2).finished(lambda line: None)
     cells = framework_overhead.calibration_cells("smoke", 2)
     passes = [{c.recipe.fingerprint() for c in cells if c.row.endswith(f" pass {n}")} for n in (1, 2)]
     assert events == [passes[0], "measure", passes[1], "measure"]
     assert not passes[0] & passes[1] and len(passes[0]) + len(passes[1]) == len(cells)
+
+
+def test_each_recipes_first_pass_runs_beside_its_matrix_run_once_where_the_store_lacks_them(monkeypatch, tmp_path):
+    """The matrix runner asks, after each of its cells, for the calibration runs to make right after it: the
+    first pass's three of that recipe (below its size, at it, above), once per recipe (megatron-intra and -data
+    at 1 GPU share one), none the store holds, none for a cell the check does not read (4 processes); over the
+    whole matrix, every run of the first pass exactly once."""
+    monkeypatch.setattr(calibrate, "kept", lambda path: cpu_profile())  # kept: nothing measured
+    held = set()
+    monkeypatch.setattr("repro.table2.held_fingerprints", lambda uri, experiment, retry_failed: held)
+    calibration = framework_overhead.Calibration(f"sqlite:///{tmp_path}/mlflow.db", 2)
+    matrix = {c.label: c for c in expand(load_matrix(), "smoke")}
+    first = [c for c in framework_overhead.calibration_cells("smoke", 2) if c.row.endswith(" pass 1")]
+
+    ddp = calibration.beside(matrix["gpt2 ddp 1g"])
+    assert [label for label, _, _ in ddp] == [f"calibrate gpt2 ddp [{size}] pass 1 1g" for size in
+                                              ("model.d_model=32 model.n_head=2", "recipe's size",
+                                               "model.d_model=128 model.n_head=8")]
+    assert {experiment for _, _, experiment in ddp} == {framework_overhead.EXPERIMENT}
+    assert ddp[1][1].fingerprint() == framework_overhead.at_steps(matrix["gpt2 ddp 1g"].recipe).fingerprint()
+    assert [recipe.train.max_steps for _, recipe, _ in ddp] == [framework_overhead.STEPS] * 3
+    assert len(calibration.beside(matrix["gpt2 megatron-data 1g"])) == 3
+    assert calibration.beside(matrix["gpt2 megatron-intra 1g"]) == []  # the same recipe: calibrated once
+    assert calibration.beside(matrix["gpt2 ddp 4g"]) == []
+    assert calibration.beside(matrix["gpt2 ddp 1g"]) == []  # asked again (a retried cell): made once
+
+    held.add(next(c for c in first if c.label == "vgg16 zero [model.width_div=16] pass 1 1g").recipe.fingerprint())
+    assert [label for label, _, _ in calibration.beside(matrix["vgg16 zero 1g"])] == [
+        "calibrate vgg16 zero [recipe's size] pass 1 1g", "calibrate vgg16 zero [model.width_div=4] pass 1 1g"]
+
+    held.clear()
+    everything = framework_overhead.Calibration(f"sqlite:///{tmp_path}/mlflow.db", 2)
+    made = [recipe.fingerprint() for cell in matrix.values() for _, recipe, _ in everything.beside(cell)]
+    assert sorted(made) == sorted(c.recipe.fingerprint() for c in first)
 
 
 def test_the_check_reads_a_cell_at_the_least_of_its_runs_and_its_retimings_at_the_recipes_size(monkeypatch):

@@ -518,6 +518,42 @@ def test_time_left_expects_each_cell_to_take_what_finished_cells_of_its_kind_too
     assert left.seconds() == 100.0 + 20.0  # VGG-16 at 2: VGG-16's mean, not the matrix's pace
 
 
+def test_time_left_expects_a_calibration_run_to_take_what_runs_of_its_step_limit_took():
+    """The calibration's runs made beside the matrix's cells (20 steps) are expected to take what finished runs of
+    their workload and step limit took, not what the matrix's cells of their workload took."""
+    from repro.table2 import TimeLeft
+
+    def recipe(gpus: int, *sets: str):
+        return load_file(recipe_path("gpt2", "smoke"), [f"run.gpus={gpus}", *sets])
+
+    todo = [recipe(1), recipe(1, "train.max_steps=20"), recipe(2, "train.max_steps=20"), recipe(2)]
+    left = TimeLeft(todo)
+    left.finished(todo[0], 60.0)
+    assert left.seconds() == 60.0 + 60.0 + 60.0  # no 20-step run finished yet: the workload's runs
+    left.finished(todo[1], 4.0)
+    assert left.seconds() == 4.0 + 60.0  # the 2-process 20-step run: the 20-step runs' time; the cell: the workload's
+
+
+def test_the_matrix_makes_the_runs_beside_each_cell_right_after_it_and_counts_only_its_own(monkeypatch):
+    """`beside` gives runs to make right after a cell, in their own experiment: one run list, in that order; a
+    failed run beside a cell is not the matrix's failure."""
+    from repro import table2
+
+    made = cells()[:2]
+    monkeypatch.setattr(table2, "plan", lambda *args: (made, {"held": 0, "blocked": 0, "ran": 0, "failed": 0, "skipped": 0}))
+    runs = []
+
+    def run_each(todo, uri, out, after_each):
+        runs.extend((label, experiment) for label, _, experiment in todo)
+        return [(1 if label.startswith("beside") else 0, None) for label, _, _ in todo]
+
+    monkeypatch.setattr(table2, "run_each", run_each)
+    beside = {made[0].label: [("beside a", made[0].recipe, "other")], made[1].label: []}
+    counts = table2.run_matrix(made, "sqlite:///unused.db", "table2-test", beside=lambda cell: beside[cell.label])
+    assert runs == [(made[0].label, "table2-test"), ("beside a", "other"), (made[1].label, "table2-test")]
+    assert (counts["ran"], counts["failed"]) == (2, 0)
+
+
 def test_early_reports_are_rewritten_rarely_and_say_they_are_early(report: Path, monkeypatch):
     """After a cell, the reports are rewritten only once MIN_INTERVAL_S and COST_SHARE x the last rewrite's time
     have passed; the early results.md and findings.md say so in their first line, and no MLflow report run is made."""
