@@ -143,6 +143,7 @@ def run_each(runs: list[Run], uri: str, out: Callable[[str], None],
     from repro.run.options import Launch
 
     results, left = [], TimeLeft([recipe for _, recipe, _ in runs])
+    width = max((len(label) for label, _, _ in runs), default=0)  # the runs' columns aligned, the longest label's
     with kept_warm([recipe for _, recipe, _ in runs]) as warm:
         for index, (label, recipe, experiment) in enumerate(runs, 1):
             begun, refusal = time.monotonic(), None
@@ -154,7 +155,7 @@ def run_each(runs: list[Run], uri: str, out: Callable[[str], None],
             results.append((code, refusal))
             left.finished(recipe, time.monotonic() - begun)
             state = "done" if code == 0 else f"FAILED (exit {code})"
-            out(f"[{index}/{len(runs)}] {label:<28} {state:<18} {time.monotonic() - begun:6.1f}s   "
+            out(f"[{index}/{len(runs)}] {label:<{width}} {state:<18} {time.monotonic() - begun:6.1f}s   "
                 f"~{left.seconds() / 60:4.1f} min left")
             after_each()
     return results
