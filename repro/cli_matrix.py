@@ -350,9 +350,9 @@ def calibrate(tracking_uri: str | None, again: bool, machine_only: bool) -> None
     collective's latency and bandwidth between 2 gloo processes (repro/calibrate.py), one thread a
     process as the CPU stand-ins train; under a minute. Then each framework's own time a step beyond
     the model's terms: the matrix's cells of no more processes than cores, 20 steps each at two model
-    sizes that the check does not use, twice, the faster kept, and between them at the recipe's own
+    sizes that the check does not use, three times, the fastest kept, and between them at the recipe's own
     size, which `repro table2`'s check reads beside the matrix's run (repro/framework_overhead.py;
-    about 10 minutes on 2 cores, recorded in MLflow as experiment calibration-smoke). A machine
+    15 to 25 minutes on 2 cores, recorded in MLflow as experiment calibration-smoke). A machine
     measured now is measured again after each pass, each figure kept at its fastest. Kept beside the
     MLflow store, one file per CPU model, and reused; `repro predict --platform FILE` reads it.
 

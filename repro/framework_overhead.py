@@ -17,7 +17,7 @@ repro.model.time.framework_key) and the model reads them on the line through the
 (at its bucket flushes for ZeRO-1/2, whose own time follows them: repro.model.time.own_time_scale).
 So the smoke cells that the check compares are predicted between two measured sizes, never fitted to themselves.
 In the main job the first pass runs beside the matrix, each recipe's runs right after the matrix's run of it
-(Calibration.beside), and the second after the matrix's parity and convergence runs: both sides of the check then
+(Calibration.beside), and the others after the matrix's parity and convergence runs: both sides of the check then
 share the machine's slow and fast spells. The runs are recorded in MLflow (experiment EXPERIMENT) and reused by
 recipe fingerprint, with warm ranks, like the matrix's.
 """
@@ -47,10 +47,11 @@ AS_CHECKED = "recipe's size"  # the row tag of a run at the recipe's own size: t
 # frameworks whose one-process step is a plain PyTorch step (DDP's reducer over one rank, PipeDream's and torch's
 # schedules with one stage): what their measured step holds beyond the model's terms is the loop's, not theirs
 PLAIN = ("ddp", "pipedream", "torch-pipeline")
-# every calibration run is made this many times, a pass over all of them apart (about 3.5 min on 2 cores), and the
-# least residual kept: one in-job run of 20 steps was 60% slow throughout where its reruns agreed within 10%
-# (docs/time.md, "Checked where timing is testable"), so a slow spell of the machine must hit both passes to count
-PASSES = 2
+# every calibration run is made this many times, a pass over all of them apart (3.5 to 7 min on 2 cores), and the
+# least residual kept: one in-job run of 20 steps was 60% slow throughout where its reruns agreed within 10%, and
+# two runs of one recipe minutes apart differed by 17% (VGG-16 ZeRO 2: 46.5 and 39.6 ms), which two passes left
+# one cell 20.2% out (docs/time.md, "Checked where timing is testable"): a slow spell must hit every pass to count
+PASSES = 3
 
 
 def calibration_cells(scale: str, cores: int) -> list[Cell]:

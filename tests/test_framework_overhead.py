@@ -20,14 +20,17 @@ pytestmark = pytest.mark.units
 def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_not_use_and_at_their_own():
     """At 2 cores: every matrix cell of 1 or 2 processes (torchgpipe's 4 GPUs are one), once per recipe, at a
     size below the recipe's, the recipe's own and one above, one after another, 20 steps each, each size its own
-    row so the reports do not fold them; all of them in each of 2 passes, the second pass's runs their own
+    row so the reports do not fold them; all of them in each of 3 passes, each later pass's runs their own
     (another seed), in the first's order. The runs at the recipe's own size are the check's alone."""
     cells = framework_overhead.calibration_cells("smoke", 2)
-    assert framework_overhead.PASSES == 2
-    first, second = cells[:len(cells) // 2], cells[len(cells) // 2:]
-    assert [c.repeat for c in first] == [0] * len(first) and [c.repeat for c in second] == [1] * len(first)
-    assert [(c.workload, c.row.replace("pass 1", "pass 2"), c.gpus) for c in first] == [(c.workload, c.row, c.gpus) for c in second]
-    assert [c.recipe.seed for c in second] == [c.recipe.seed + 1000 for c in first]
+    assert framework_overhead.PASSES == 3
+    each = len(cells) // 3
+    first, *later = cells[:each], cells[each:2 * each], cells[2 * each:]
+    for number, cells_of_pass in enumerate(later, 1):
+        assert [c.repeat for c in first] == [0] * each and [c.repeat for c in cells_of_pass] == [number] * each
+        assert [(c.workload, c.row.replace("pass 1", f"pass {number + 1}"), c.gpus) for c in first] == [
+            (c.workload, c.row, c.gpus) for c in cells_of_pass]
+        assert [c.recipe.seed for c in cells_of_pass] == [c.recipe.seed + 1000 * number for c in first]
     finished = [collect.Result(c, "FINISHED", epoch_s=[1.0]) for c in cells]
     assert [r.cell for r in collect.fold_repeats(finished)] == cells  # every pass's run is read, none folded away
     assert all(registry.plan_class(c.framework).processes(c.recipe) <= 2 for c in cells)
@@ -41,22 +44,22 @@ def test_the_calibration_runs_are_the_checked_cells_at_two_sizes_the_check_does_
     keys = {}
     for cell in cells:
         keys.setdefault(time.framework_key(costs.cell_of(cell.recipe)), []).append(cell)
-    assert all(len(runs) == 6 for runs in keys.values())  # the three sizes of each cell, in both passes, share its key
+    assert all(len(runs) == 9 for runs in keys.values())  # the three sizes of each cell, in every pass, share its key
     assert {(c.workload, c.framework, c.gpus) for c in cells} >= {("gpt2", "torchgpipe", 4), ("vgg16", "fsdp", 2)}
     assert not any(c.gpus == 4 and c.framework != "torchgpipe" for c in cells)
 
 
 def test_a_frameworks_own_time_is_its_measured_step_less_the_models_terms_and_the_loops_own_cost(monkeypatch):
-    """Runs whose median step is 30 ms (DDP, PipeDream) and 45 ms (FSDP) at 1 process in the faster of two passes
-    (DDP's first and FSDP's second 60% slower), 2,000 us of each the loop's own (framework_median): each framework
+    """Runs whose median step is 30 ms (DDP, PipeDream) and 45 ms (FSDP) at 1 process in the fastest of three passes
+    (DDP's first and third and FSDP's second 60% slower), 2,000 us of each the loop's own (framework_median): each framework
     step less the model's terms, less the loop's cost at that size, the least such residual of the one-process DDP
-    and PipeDream runs there (they add nothing to a plain step), the faster pass kept. So DDP and PipeDream keep 0
+    and PipeDream runs there (they add nothing to a plain step), the fastest pass kept. So DDP and PipeDream keep 0
     at both sizes and FSDP keeps 15 ms plus the difference of the model's terms."""
     cells = framework_overhead.calibration_cells("smoke", 2)
     picked = [c for c in cells if c.workload == "gpt2" and c.gpus == 1 and c.framework in ("ddp", "pipedream", "fsdp")]
-    assert len(picked) == 18  # three frameworks at three sizes, in both passes
+    assert len(picked) == 27  # three frameworks at three sizes, in every pass
     step = {"ddp": 0.030, "pipedream": 0.030, "fsdp": 0.045}
-    slow = {("ddp", 0), ("fsdp", 1)}  # (framework, pass) whose runs were 60% slow
+    slow = {("ddp", 0), ("ddp", 2), ("fsdp", 1)}  # (framework, pass) whose runs were 60% slow
     results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={
         "framework_median": [step[c.framework] * (1.6 if (c.framework, c.repeat) in slow else 1.0) - 0.002]})
                for c in picked]
@@ -112,9 +115,10 @@ def test_a_profile_measured_now_is_measured_again_after_each_pass_of_the_runs(mo
     monkeypatch.setattr(collect, "collect", lambda *args: [])
     framework_overhead.Calibration(f"sqlite:///{tmp_path}/mlflow.db", 2).finished(lambda line: None)
     cells = framework_overhead.calibration_cells("smoke", 2)
-    passes = [{c.recipe.fingerprint() for c in cells if c.row.endswith(f" pass {n}")} for n in (1, 2)]
-    assert events == [passes[0], "measure", passes[1], "measure"]
-    assert not passes[0] & passes[1] and len(passes[0]) + len(passes[1]) == len(cells)
+    passes = [{c.recipe.fingerprint() for c in cells if c.row.endswith(f" pass {n}")}
+              for n in range(1, framework_overhead.PASSES + 1)]
+    assert events == [step for runs in passes for step in (runs, "measure")]
+    assert len(set().union(*passes)) == sum(map(len, passes)) == len(cells)
 
 
 def test_each_recipes_first_pass_runs_beside_its_matrix_run_once_where_the_store_lacks_them(monkeypatch, tmp_path):
@@ -154,19 +158,20 @@ def test_each_recipes_first_pass_runs_beside_its_matrix_run_once_where_the_store
 def test_the_check_reads_a_cell_at_the_least_of_its_runs_and_its_retimings_at_the_recipes_size(monkeypatch):
     """The calibration's runs at the recipe's own size, keyed by the framework's settings and the model's shape,
     are read beside the matrix's run of the same cell: the row's measured step is the least (22 ms, not the
-    matrix run's 30), its timings all three; a cell of other settings (2 processes) reads none of them."""
+    matrix run's 30), its timings all four; a cell of other settings (2 processes) reads none of them."""
     cells = framework_overhead.calibration_cells("smoke", 2)
     again = [c for c in cells if framework_overhead.at_checked_size(c) and c.workload == "gpt2" and c.framework == "ddp" and c.gpus == 1]
-    assert [c.repeat for c in again] == [0, 1]
-    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"framework_median": [t]}) for c, t in zip(again, (0.025, 0.022))]
+    assert [c.repeat for c in again] == [0, 1, 2]
+    results = [collect.Result(c, "FINISHED", epoch_s=[1.0], step_s={"framework_median": [t]})
+               for c, t in zip(again, (0.025, 0.022, 0.027))]
     monkeypatch.setattr(collect, "collect", lambda cells, *args: [r for r in results if r.cell in cells])
     retimed = framework_overhead.retimed(cells, "sqlite:///unused.db")
     model = costs.cell_of(again[0].recipe)
-    assert retimed == {(time.framework_key(model), model.shape): [0.025, 0.022]}
+    assert retimed == {(time.framework_key(model), model.shape): [0.025, 0.022, 0.027]}
     platform = cpu_profile()
     matrix = cell_for_matrix("gpt2", "ddp", 1)
     row = step_time_row(collect.Result(matrix, "FINISHED", epoch_s=[1.0], step_s={"framework_median": [0.030]}), platform, retimed)
-    assert (row["measured"], row["timings"]) == (0.022, [0.030, 0.025, 0.022])
+    assert (row["measured"], row["timings"]) == (0.022, [0.030, 0.025, 0.022, 0.027])
     assert row["error"] == pytest.approx(abs(0.022 - row["modelled"]) / 0.022)
     other = step_time_row(collect.Result(cell_for_matrix("gpt2", "ddp", 2), "FINISHED", epoch_s=[1.0],
                                          step_s={"framework_median": [0.030]}), platform, retimed)
