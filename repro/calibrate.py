@@ -87,6 +87,10 @@ TINY = {"gpt2": ["model.d_model=8", "model.n_head=2", "model.seq_len=4"],
 CALIBRATION = {"gpt2": [["model.d_model=32", "model.n_head=2"], ["model.d_model=128", "model.n_head=8"],
                         ["model.d_model=256", "model.n_head=8"]],
                "vgg16": [["model.width_div=16"], ["model.width_div=4"], ["model.width_div=2"]]}
+# the smallest size is timed again at 1/SPLIT of the recipe's batch: torch's schedules split a step into micro-batches
+# whose operations (1.4-1.8 MFLOP at that size) lie below the width sweep's smallest (2.7-3.0), where the rate was read
+# at the nearest measured size: 21.6 GFLOP/s for VGG-16 against 12.9 measured at half its batch (docs/time.md)
+SPLIT = 2
 # aten operations the model times as matrix work (repro.model.time: GPT2_MATMULS, VGG-16's layers)
 MATRIX_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product")
 
@@ -165,18 +169,19 @@ def dispatch_seconds(workload: str) -> float:
 
 
 def workload_rates(workload: str) -> platforms.WorkloadRates:
-    """The workload's own operations timed at CALIBRATION's sizes: the matrix rate at each size's mean
-    matrix operation; the bytes the model counts for memory-bound work (2 x activations, 3 x model state)
-    over the seconds the other operations take beyond their cost at TINY's negligible size (which the
-    dispatch term counts), in the passes and in the optimizer step (the median of the sizes)."""
+    """The workload's own operations timed at CALIBRATION's sizes, the smallest also at 1/SPLIT of the recipe's
+    batch: the matrix rate at each one's mean matrix operation; the bytes the model counts for memory-bound work
+    (2 x activations, 3 x model state) over the seconds the other operations take beyond their cost at TINY's
+    negligible size (which the dispatch term counts), in the passes and in the optimizer step (the median)."""
     from repro.model.flops import step_flops
     from repro.model.time import OPTIMIZER_TRAFFIC, all_layers, mean_matmul_flops
 
     tiny = timed_phases(*training_step(workload, TINY[workload])[1:])
     base = sum(t.seconds["other"] for t in tiny) / sum(t.ops["other"] for t in tiny)
+    batch = recipe_batch(workload)
     matmul, activation, state = [], [], []
-    for sets in CALIBRATION[workload]:
-        recipe, passes, update = training_step(workload, sets, recipe_batch(workload))
+    for sets, samples in [(CALIBRATION[workload][0], batch // SPLIT), *((sets, batch) for sets in CALIBRATION[workload])]:
+        recipe, passes, update = training_step(workload, [*sets, f"train.batch_per_gpu={samples}"], samples)
         timers = timed_phases(passes, update)
         cell = costs.cell_of(recipe)
         flops, prediction = step_flops(cell), costs.predict(cell)

@@ -239,7 +239,9 @@ def test_every_micro_batch_writes_and_reads_its_own_activations():
 @pytest.mark.parametrize("workload", ["gpt2", "vgg16"])
 def test_calibrate_times_a_workloads_own_operations_on_either_side_of_the_smoke_size(workload):
     """The sizes are the model's mean matrix operation of each calibration shape (so the model reads the
-    rate at the size it computes); the smoke recipe's, which the main job checks, lies between, unmeasured."""
+    rate at the size it computes); the smoke recipe's, which the main job checks, lies between, unmeasured.
+    The smallest shape at half the batch is the size of torch-1f1b's two micro-batches on one rank there,
+    below the width sweep: the model reads the rate of the own-time run at that shape, never the nearest's."""
     from repro import calibrate
     from repro.recipe import load_file, recipe_path
 
@@ -248,8 +250,13 @@ def test_calibrate_times_a_workloads_own_operations_on_either_side_of_the_smoke_
         return time.mean_matmul_flops(cell, step_flops(cell), time.all_layers(cell), 1)
 
     rates = calibrate.workload_rates(workload)
+    smallest = calibrate.CALIBRATION[workload][0]
     sizes = [mean_size(sets) for sets in calibrate.CALIBRATION[workload]]
-    assert [size for size, _ in rates.matmul] == sizes and sizes[0] < mean_size([]) < sizes[1]
+    split = mean_size([*smallest, f"train.batch_per_gpu={calibrate.recipe_batch(workload) // calibrate.SPLIT}"])
+    assert [size for size, _ in rates.matmul] == [split, *sizes] and sizes[0] < mean_size([]) < sizes[1]
+    one_rank = costs.cell_of(load_file(recipe_path(workload, "smoke"), ["run.framework=torch-pipeline", *smallest]))
+    assert pipelines.schedule_microbatches(one_rank) == calibrate.SPLIT
+    assert time.mean_matmul_flops(one_rank, step_flops(one_rank), time.all_layers(one_rank), calibrate.SPLIT) == split
     assert all(rate > 0 for _, rate in rates.matmul) and rates.activation_bandwidth > 0 and rates.state_bandwidth > 0
 
 
