@@ -91,6 +91,10 @@ CALIBRATION = {"gpt2": [["model.d_model=32", "model.n_head=2"], ["model.d_model=
 # whose operations (1.4-1.8 MFLOP at that size) lie below the width sweep's smallest (2.7-3.0), where the rate was read
 # at the nearest measured size: 21.6 GFLOP/s for VGG-16 against 12.9 measured at half its batch (docs/time.md)
 SPLIT = 2
+# that run's optimizer step is the smallest size's again, where the step's other operations take barely
+# more than their cost at the negligible size, so their bandwidth there is noise (up to 4.8e6 GB/s on a 2-core Xeon);
+# as a fourth vote it gave that noise two of the four and moved the median (VGG-16's state bandwidth kept at 322 GB/s
+# against 13): the bandwidths stay the median of CALIBRATION's three sizes
 # aten operations the model times as matrix work (repro.model.time: GPT2_MATMULS, VGG-16's layers)
 MATRIX_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product")
 
@@ -170,9 +174,10 @@ def dispatch_seconds(workload: str) -> float:
 
 def workload_rates(workload: str) -> platforms.WorkloadRates:
     """The workload's own operations timed at CALIBRATION's sizes, the smallest also at 1/SPLIT of the recipe's
-    batch: the matrix rate at each one's mean matrix operation; the bytes the model counts for memory-bound work
-    (2 x activations, 3 x model state) over the seconds the other operations take beyond their cost at TINY's
-    negligible size (which the dispatch term counts), in the passes and in the optimizer step (the median)."""
+    batch: the matrix rate at each one's mean matrix operation; at CALIBRATION's sizes, the bytes the model counts
+    for memory-bound work (2 x activations, 3 x model state) over the seconds the other operations take beyond
+    their cost at TINY's negligible size (which the dispatch term counts), in the passes and in the optimizer
+    step (the median of the sizes)."""
     from repro.model.flops import step_flops
     from repro.model.time import OPTIMIZER_TRAFFIC, all_layers, mean_matmul_flops
 
@@ -186,6 +191,8 @@ def workload_rates(workload: str) -> platforms.WorkloadRates:
         cell = costs.cell_of(recipe)
         flops, prediction = step_flops(cell), costs.predict(cell)
         matmul.append([mean_matmul_flops(cell, flops, all_layers(cell), 1), flops.counted / timers[0].seconds["matrix"]])
+        if samples < batch:  # the bandwidths: not a vote (above SPLIT)
+            continue
         beyond = [max(t.seconds["other"] - t.ops["other"] * base, 1e-9) for t in timers]
         activation.append(2 * prediction.activations / beyond[0])
         state.append(OPTIMIZER_TRAFFIC * prediction.model_state / beyond[1])
