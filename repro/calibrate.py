@@ -87,14 +87,13 @@ TINY = {"gpt2": ["model.d_model=8", "model.n_head=2", "model.seq_len=4"],
 CALIBRATION = {"gpt2": [["model.d_model=32", "model.n_head=2"], ["model.d_model=128", "model.n_head=8"],
                         ["model.d_model=256", "model.n_head=8"]],
                "vgg16": [["model.width_div=16"], ["model.width_div=4"], ["model.width_div=2"]]}
-# the smallest size is timed again at 1/SPLIT of the recipe's batch: torch's schedules split a step into micro-batches
-# whose operations (1.4-1.8 MFLOP at that size) lie below the width sweep's smallest (2.7-3.0), where the rate was read
-# at the nearest measured size: 21.6 GFLOP/s for VGG-16 against 12.9 measured at half its batch (docs/time.md)
+# the smallest size is timed again at 1/SPLIT of the recipe's batch, for its matrix rate: torch's schedules split a step
+# into micro-batches whose operations (1.4-1.8 MFLOP at that size) lie below the width sweep's smallest (2.7-3.0), where
+# the rate was read at the nearest measured size: 21.6 GFLOP/s for VGG-16 against 13.7 at half its batch (docs/time.md).
+# Not for the bandwidths: that run's optimizer step is the smallest size's again, where the other operations take
+# barely more than their dispatch cost, so their bandwidth is noise (up to 4.8e6 GB/s on a 2-core Xeon), and as a
+# fourth vote it moved the median (VGG-16's state bandwidth kept at 322 GB/s against 13)
 SPLIT = 2
-# that run's optimizer step is the smallest size's again, where the step's other operations take barely
-# more than their cost at the negligible size, so their bandwidth there is noise (up to 4.8e6 GB/s on a 2-core Xeon);
-# as a fourth vote it gave that noise two of the four and moved the median (VGG-16's state bandwidth kept at 322 GB/s
-# against 13): the bandwidths stay the median of CALIBRATION's three sizes
 # aten operations the model times as matrix work (repro.model.time: GPT2_MATMULS, VGG-16's layers)
 MATRIX_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product")
 
@@ -191,7 +190,7 @@ def workload_rates(workload: str) -> platforms.WorkloadRates:
         cell = costs.cell_of(recipe)
         flops, prediction = step_flops(cell), costs.predict(cell)
         matmul.append([mean_matmul_flops(cell, flops, all_layers(cell), 1), flops.counted / timers[0].seconds["matrix"]])
-        if samples < batch:  # the bandwidths: not a vote (above SPLIT)
+        if samples < batch:  # a matrix rate only (SPLIT)
             continue
         beyond = [max(t.seconds["other"] - t.ops["other"] * base, 1e-9) for t in timers]
         activation.append(2 * prediction.activations / beyond[0])
