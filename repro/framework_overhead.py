@@ -6,13 +6,13 @@ dispatch, gloo's reductions on cores that backward also uses (docs/time.md, "A f
 
 For every cell of the matrix that the step-time check holds (no more processes than cores), the same
 recipe runs STEPS steps at each of two model sizes that the check never uses, one either side of the
-smoke recipe's (SIZES: the same layers and tensors), once in each of PASSES passes over all of them; between the two, at the recipe's
-own size, a run that the check reads beside the matrix's own (`retimed`), so that a cell is measured at
-the least of its timings, as its own time is, and a slow spell of the machine during one of them does
-not decide its row (docs/time.md, "Checked where timing is testable"). Each size's measured median step less
-the model's terms, the least over the passes, is the framework's own time there, less the loop's own cost at
-that size, which no framework adds: the least such residual of the one-process runs of the frameworks that add
-nothing to a plain step (PLAIN). The profile keeps both sizes' figures (Platform.frameworks, by
+smoke recipe's (SIZES: the same layers and tensors), once in each of PASSES passes over all of them; between the two,
+at the recipe's own size, a run that the check reads beside the matrix's own (`retimed`), so that a cell is measured
+at the median of its timings, as its own time is, and one fast or slow spell of the machine during one of them
+does not decide its row (docs/time.md, "Checked where timing is testable"). Each size's measured median step less
+the model's terms, the median over the passes, is the framework's own time there: with the terms read on the
+machine's fastest profile, it also carries what the machine's typical step this job took beyond its fastest at
+that size. The profile keeps both sizes' figures (Platform.frameworks, by
 repro.model.time.framework_key) and the model reads them on the line through them at the cell's model state
 (at its bucket flushes for ZeRO-1/2, whose own time follows them: repro.model.time.own_time_scale).
 So the smoke cells that the check compares are predicted between two measured sizes, never fitted to themselves.
@@ -24,6 +24,7 @@ recipe fingerprint, with warm ranks, like the matrix's.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -44,13 +45,11 @@ STEPS = 20  # 5 warm-up steps left out, 15 timed: a median that one slow step do
 # line from it missed VGG-16's torchgpipe by 30% (docs/time.md, "Checked where timing is testable")
 SIZES = {workload: calibrate.CALIBRATION[workload][:2] for workload in calibrate.TINY}
 AS_CHECKED = "recipe's size"  # the row tag of a run at the recipe's own size: the check's, not an own time's
-# frameworks whose one-process step is a plain PyTorch step (DDP's reducer over one rank, PipeDream's and torch's
-# schedules with one stage): what their measured step holds beyond the model's terms is the loop's, not theirs
-PLAIN = ("ddp", "pipedream", "torch-pipeline")
 # every calibration run is made this many times, a pass over all of them apart (3.5 to 7 min on 2 cores), and the
-# least residual kept: one in-job run of 20 steps was 60% slow throughout where its reruns agreed within 10%, and
-# two runs of one recipe minutes apart differed by 17% (VGG-16 ZeRO 2: 46.5 and 39.6 ms), which two passes left
-# one cell 20.2% out (docs/time.md, "Checked where timing is testable"): a slow spell must hit every pass to count
+# median residual kept: runs of one recipe minutes apart differ by up to 40% on this VM (GPT-2 PipeDream 1 at
+# d_model 64: 25.7, 18.3 and 23.5 ms), in both directions, so the least of them takes one fast spell for the
+# machine's speed, and on the line between two sizes a fast spell at one of them moves the third: the median of
+# three passes drops one spell either way (docs/time.md, "Checked where timing is testable")
 PASSES = 3
 
 
@@ -100,26 +99,14 @@ def retimed(cells: list[Cell], uri: str) -> dict[tuple[str, object], list[float]
 
 
 def own_times(cells: list[Cell], uri: str, platform: Platform) -> dict[str, list[list[float]]]:
-    """framework_key -> [[where, seconds], ...] (time.own_time_scale): at each of SIZES (the runs at the recipe's own size
-    are the check's), the least over the passes of a finished run's measured framework step less the model's
-    terms on `platform`, and less the loop's own cost at its size (`loop_seconds`)."""
+    """framework_key -> [[where, seconds], ...] (time.own_time_scale): at each of SIZES (the runs at the recipe's own
+    size are the check's), the median over the passes of a finished run's measured framework step less the model's
+    terms on `platform`."""
     residuals = measured_residuals([cell for cell in cells if not at_checked_size(cell)], uri, platform)
-    loop = loop_seconds(residuals)
-    table: dict[str, dict[float, float]] = {}
+    table: dict[str, dict[float, list[float]]] = {}
     for cell, where, residual in residuals:
-        points = table.setdefault(time.framework_key(cell), {})
-        points[where] = min(residual - loop.get(cell.shape, 0.0), points.get(where, float("inf")))
-    return {key: sorted([where, own] for where, own in points.items()) for key, points in table.items()}
-
-
-def loop_seconds(residuals: list[tuple[ModelCell, float, float]]) -> dict[object, float]:
-    """Per model shape (a workload at one size), the loop's own seconds a step: the least residual of a
-    PLAIN framework's one-process run of that shape (the least disturbed: one slow run does not set it)."""
-    loop: dict[object, float] = {}
-    for cell, _, residual in residuals:
-        if cell.framework in PLAIN and cell.gpus == 1:
-            loop[cell.shape] = min(residual, loop.get(cell.shape, residual))
-    return loop
+        table.setdefault(time.framework_key(cell), {}).setdefault(where, []).append(residual)
+    return {key: sorted([where, statistics.median(own)] for where, own in points.items()) for key, points in table.items()}
 
 
 def measured_residuals(cells: list[Cell], uri: str, platform: Platform) -> list[tuple[ModelCell, float, float]]:

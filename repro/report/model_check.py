@@ -33,7 +33,7 @@ def check(result: Result, platform: Platform | None = None, cores: int = 0,
           retimed: dict[tuple[str, object], list[float]] | None = None) -> dict[str, Any]:
     """One cell's comparison: {"cell", "run_id", "rows"} or {"cell", "why"} where there is none; with this
     machine's `platform`, a step-time row for a CPU cell of at most `cores` processes (`step_time_row`),
-    measured at the least of the run's own step and those `retimed` holds for the cell's framework settings
+    measured at the median of the run's own step and those `retimed` holds for the cell's framework settings
     and shape (repro.framework_overhead.retimed: the same recipe timed again beside its calibration runs)."""
     out: dict[str, Any] = {"cell": result.cell.label, "row": result.cell.row, "run_id": result.run_id}
     measured = {quantity: getattr(result, name) for quantity, name in QUANTITY_METRIC.items()}
@@ -51,13 +51,14 @@ def check(result: Result, platform: Platform | None = None, cores: int = 0,
 
 def step_time_row(measured: float | None, modelled: float, own: float = 0.0, again: list[float] = ()) -> dict[str, Any]:
     """A row like costs.compare's for the step time: the framework's measured median step (seconds, the
-    loop's time between steps left out: Result.framework_step_time), the least of the run's and the
-    timings `again` of the same recipe, against the model's on this machine, `own` of it the framework's
-    own time as calibrated at two other sizes (repro.framework_overhead). "timings": every one read."""
+    loop's time between steps left out: Result.framework_step_time), the median of the run's and the
+    timings `again` of the same recipe, as the framework's own time is the median of its passes', against
+    the model's on this machine, `own` of it the framework's own time as calibrated at two other sizes
+    (repro.framework_overhead). "timings": every one read."""
     timings = [t for t in (measured, *again) if t]
-    least = min(timings) if measured else None  # a run that timed nothing has no row, whatever was retimed
-    error = None if not least else abs(least - modelled) / least
-    return {"quantity": "step_time", "unit": "seconds", "measured": least, "modelled": modelled, "error": error,
+    typical = statistics.median(timings) if measured else None  # a run that timed nothing has no row, whatever was retimed
+    error = None if not typical else abs(typical - modelled) / typical
+    return {"quantity": "step_time", "unit": "seconds", "measured": typical, "modelled": modelled, "error": error,
             "bound": time.BOUND, "within": None if error is None else error <= time.BOUND, "framework_own": own,
             "timings": timings}
 
@@ -119,13 +120,13 @@ def markdown(checked: list[dict[str, Any]], with_settings: list[dict[str, Any]] 
     median = median_step_time_error(checked)
     if median is not None:
         lines[2:2] = [f"Step time (seconds; cells of no more processes than cores, on this machine's calibrated profile, "
-                      f"the measured median less the loop's own time between steps, the least of the matrix's run and the same "
-                      f"recipe's runs beside its calibration, as the own times are the least of theirs): each within {time.BOUND:.0%}, "
+                      f"the measured median less the loop's own time between steps, the median of the matrix's run and the same "
+                      f"recipe's runs beside its calibration, as the own times are the median of theirs): each within {time.BOUND:.0%}, "
                       f"their median error at most {time.MEDIAN_BOUND:.0%}; {step_time_verdict(checked)}. "
                       "The model: repro/model/time.py, "
                       "docs/time.md; at paper scale: `repro predict --platform lassen|thetagpu`. A modelled step time "
                       "names in brackets the framework's own time within it: measured at two model sizes the check does "
-                      "not use, less the loop's own cost there, and read on the line between them (repro/framework_overhead.py), "
+                      "not use and read on the line between them (repro/framework_overhead.py), "
                       "not counted.", ""]
     lines += table_lines(checked)
     if with_settings:
@@ -151,7 +152,8 @@ def table_lines(checked: list[dict[str, Any]]) -> list[str]:
             error = "" if row["error"] is None else f"{row['error']:.2%}"
             own = f" (own {fmt(row['framework_own'], 'seconds')})" if row.get("framework_own") else ""
             timings = row.get("timings", [])
-            spread = f" (least of {len(timings)}: {fmt(max(timings), 'seconds')} at most)" if len(timings) > 1 else ""
+            spread = (f" (median of {len(timings)}: {fmt(min(timings), 'seconds')} to {fmt(max(timings), 'seconds')})"
+                      if len(timings) > 1 else "")
             lines.append(f"| {label} | {row['quantity']} | {fmt(row['measured'], row['unit'])}{spread} | {fmt(row['modelled'], row['unit'])}{own} | "
                          f"{error} | {verdict[row['within']]} |")
     return lines
