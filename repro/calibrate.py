@@ -345,10 +345,11 @@ def remeasured(profile: platforms.Platform) -> platforms.Platform:
 
 def fastest(profiles: list[platforms.Platform]) -> platforms.Platform:
     """One profile of this machine from several measurements of it, each figure at its fastest: the highest rates
-    and bandwidths, the least dispatch and latency. The same rule as a cell's least timing and a framework's least
-    own time (repro.framework_overhead): measured in processes minutes apart, the dispatch cost of one workload
-    spread 5.4-8.5 us on a quiet 2-core Intel Xeon, and a profile measured in a slow spell read every cell slow
-    (docs/time.md, "Checked where timing is testable")."""
+    and bandwidths, the least dispatch and latency: measured in processes minutes apart, the dispatch cost of one
+    workload spread 5.4-8.5 us on a quiet 2-core Intel Xeon, and a profile measured in a slow spell read every cell
+    slow. What the machine's typical step takes beyond these terms, each framework's own time carries (the median of
+    its passes: repro.framework_overhead), and a cell's median timing is checked against both (docs/time.md,
+    "Checked where timing is testable")."""
     first = profiles[0]
     points = highest([p.measured["matmul"] for p in profiles])
     peak = max(rate for _, rate in points)
