@@ -284,7 +284,7 @@ def test_the_half_batch_run_adds_a_rate_and_no_vote_to_the_bandwidths(monkeypatc
     states = [costs.predict(costs.cell_of(load_file(recipe_path("vgg16", "smoke"), sets))).model_state
               for sets in calibrate.CALIBRATION["vgg16"]]
     assert len(rates.matmul) == 4 and len(runs) == 5
-    assert rates.state_bandwidth == pytest.approx(statistics.median(3 * s / b for s, b in zip(states, beyond)))
+    assert rates.state_bandwidth == pytest.approx(statistics.median(time.OPTIMIZER_TRAFFIC * s / b for s, b in zip(states, beyond)))
 
 
 def test_a_workloads_own_rates_stand_in_for_the_generic_ones_in_fp32():
